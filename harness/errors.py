@@ -1,0 +1,29 @@
+"""Exceptions the harness raises, so callers can tell bad input from a broken toolchain or GPU."""
+
+
+class DequantizeInputError(ValueError):
+    """Arguments that can never be dequantized; raised before anything is launched.
+
+    A ValueError, as bitsandbytes raises for bad block sizes, quant types and dtypes.
+    """
+
+
+class ToolchainMissingError(RuntimeError):
+    """NVRTC, the CUDA headers or cuda-python itself is not installed; the message names the package."""
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries NVRTC's log."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(f"{message}\n--- NVRTC log ---\n{log}" if log else message)
+        self.log = log
+
+
+class KernelLaunchError(RuntimeError):
+    """The CUDA driver refused or failed a launch; ``cuda_error`` is the CUDA error name."""
+
+    def __init__(self, kernel: str, cuda_error: str, detail: str = ""):
+        super().__init__(f"launch of {kernel} failed with {cuda_error}" + (f": {detail}" if detail else ""))
+        self.kernel = kernel
+        self.cuda_error = cuda_error

@@ -1,0 +1,258 @@
+"""Run-time compilation of ``kernels/*.cu`` with NVRTC (cuda.core) and an on-disk cubin cache.
+
+The cache key hashes everything that can change the machine code: the kernel source and every
+header it includes (found by scanning ``#include``), the target arch, every NVRTC option and
+macro, the NVRTC version and this module's ``CACHE_SCHEMA``. An entry is a ``.cubin`` plus a
+``.json`` metadata file written after it (temp file + ``os.replace``, metadata last), so a reader
+that finds valid metadata finds a complete cubin. A file lock with a re-check keeps parallel
+pytest workers from compiling the same entry twice; an entry whose metadata is unreadable or whose
+cubin digest disagrees is rebuilt, never fatal.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import KernelCompileError, ToolchainMissingError
+from harness.ptxas_report import KernelResources, parse_ptxas_log
+
+# Bump when the cache layout or anything else outside the key's inputs changes what is stored.
+CACHE_SCHEMA = 1
+CACHE_ENV = "NF4_HARNESS_CACHE_DIR"
+KERNELS_ENV = "NF4_HARNESS_KERNELS_DIR"
+# Architectures the CPU-side compile check covers (Ampere, consumer Ampere, Ada, Hopper).
+CHECKED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+# NVRTC options every kernel is built with. fma=False: no fp32 multiply-add contraction anywhere,
+# since bit-exactness against bitsandbytes depends on separately rounded products and sums.
+DEFAULT_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("std", "c++17"),
+    ("fma", False),
+    ("ftz", False),
+    ("prec_div", True),
+    ("prec_sqrt", True),
+    ("ptxas_options", ("-v",)),
+)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+
+def kernels_dir() -> Path:
+    """Directory holding the CUDA sources: an override, the installed copy, or the repo's ``kernels/``."""
+    if env := os.environ.get(KERNELS_ENV):
+        return Path(env)
+    installed = Path(__file__).with_name("_kernels")
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / "kernels"
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get(CACHE_ENV):
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("nf4-harness"))
+
+
+def _require_program():
+    try:
+        from cuda.core import Program, ProgramOptions
+    except ImportError as exc:  # pragma: no cover - exercised only without cuda-python
+        raise ToolchainMissingError(
+            "cuda.core is not installed: pip install cuda-core cuda-bindings (cuda-python)"
+        ) from exc
+    return Program, ProgramOptions
+
+
+@functools.cache
+def nvrtc_version() -> str:
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:  # the library is loaded lazily: any failure means it is not there
+        raise ToolchainMissingError(
+            f"NVRTC could not be loaded ({exc}): pip install nvidia-cuda-nvrtc"
+        ) from exc
+    if int(err) != 0:
+        raise ToolchainMissingError(f"nvrtcVersion failed ({err}): reinstall nvidia-cuda-nvrtc")
+    return f"{major}.{minor}"
+
+
+@functools.cache
+def cuda_include_dir() -> Path:
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError as exc:
+        raise ToolchainMissingError("cuda.pathfinder is not installed: pip install cuda-pathfinder") from exc
+    found = find_nvidia_header_directory("cudart")
+    if not found:
+        raise ToolchainMissingError(
+            "CUDA runtime headers (cuda_fp16.h) not found: pip install nvidia-cuda-runtime"
+        )
+    return Path(found)
+
+
+def _resolve_include(name: str, including: Path, search: list[Path]) -> Path | None:
+    for base in (including.parent, *search):
+        candidate = base / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def source_digest(source: Path, search: list[Path]) -> str:
+    """SHA-256 over the source and, recursively, every include it resolves to (by content)."""
+    digest = hashlib.sha256()
+    seen: set[Path] = set()
+    stack = [source]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(text).digest())
+        for name in _INCLUDE.findall(text.decode("utf-8", "replace")):
+            if found := _resolve_include(name, path, search):
+                stack.append(found.resolve())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """What to compile and how; ``key`` changes when any input that shapes the cubin changes."""
+
+    source: Path
+    arch: str
+    macros: tuple[tuple[str, str], ...] = ()
+    options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS
+    label: str = "kernel"
+
+    def __post_init__(self):
+        if not re.fullmatch(r"sm_\d{2,3}[af]?", self.arch):
+            raise ValueError(f"arch must look like sm_90, got {self.arch!r}")
+
+    def key_material(self) -> dict:
+        return {
+            "schema": CACHE_SCHEMA,
+            "source": source_digest(Path(self.source), [cuda_include_dir()]),
+            "arch": self.arch,
+            "macros": sorted(self.macros),
+            "options": sorted((k, repr(v)) for k, v in self.options),
+            "nvrtc": nvrtc_version(),
+        }
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.key_material(), sort_keys=True).encode()).hexdigest()
+
+    def artifact_stem(self) -> str:
+        return f"{self.label}-{self.arch}-{self.key[:20]}"
+
+
+@dataclass
+class CompiledKernel:
+    spec_key: str
+    cubin: bytes
+    resources: list[KernelResources]
+    log: str
+    path: Path | None = None
+    from_cache: bool = False
+    meta: dict = field(default_factory=dict)
+
+
+def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
+    Program, ProgramOptions = _require_program()
+    opts = dict(spec.options)
+    opts.update(
+        arch=spec.arch,
+        include_path=[str(cuda_include_dir()), str(Path(spec.source).parent)],
+        define_macro=[(k, v) for k, v in spec.macros] or None,
+        name=Path(spec.source).name,
+    )
+    if isinstance(opts.get("ptxas_options"), tuple):
+        opts["ptxas_options"] = list(opts["ptxas_options"])
+    log = io.StringIO()
+    try:
+        program = Program(Path(spec.source).read_text(), "c++", ProgramOptions(**opts))
+        try:
+            obj = program.compile("cubin", logs=log)
+        finally:
+            program.close()
+    except ToolchainMissingError:
+        raise
+    except Exception as exc:
+        text = log.getvalue().strip("\0\n ") or str(exc)
+        raise KernelCompileError(f"NVRTC failed to compile {spec.label} for {spec.arch}", text) from exc
+    return bytes(obj.code), log.getvalue().replace("\0", "")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_entry(stem_path: Path, key: str) -> CompiledKernel | None:
+    meta_path = stem_path.with_suffix(".json")
+    cubin_path = stem_path.with_suffix(".cubin")
+    try:
+        meta = json.loads(meta_path.read_text())
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+        return None  # stale or torn: rebuild
+    try:
+        resources = [KernelResources(**r) for r in meta["resources"]]
+    except (KeyError, TypeError):
+        return None
+    return CompiledKernel(key, cubin, resources, meta.get("log", ""), cubin_path, True, meta)
+
+
+def compile_kernel(spec: CompileSpec, use_cache: bool = True) -> CompiledKernel:
+    """Compile ``spec`` to a cubin, through the on-disk cache unless ``use_cache`` is False."""
+    key = spec.key
+    if not use_cache:
+        cubin, log = _nvrtc_compile(spec)
+        return CompiledKernel(key, cubin, parse_ptxas_log(log), log)
+
+    root = cache_dir() / f"nvrtc-{nvrtc_version()}" / spec.arch
+    stem_path = root / spec.artifact_stem()
+    if hit := _read_entry(stem_path, key):
+        return hit
+
+    root.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(stem_path.with_suffix(".lock"))):
+        if hit := _read_entry(stem_path, key):  # another worker built it while we waited
+            return hit
+        cubin, log = _nvrtc_compile(spec)
+        resources = parse_ptxas_log(log)
+        meta = {
+            "key": key,
+            "key_material": spec.key_material(),
+            "label": spec.label,
+            "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+            "resources": [r.as_dict() for r in resources],
+            "log": log,
+        }
+        _atomic_write(stem_path.with_suffix(".cubin"), cubin)
+        _atomic_write(stem_path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    return CompiledKernel(key, cubin, resources, log, stem_path.with_suffix(".cubin"), False, meta)

@@ -1,0 +1,118 @@
+"""Load compiled variants onto a GPU and launch them on PyTorch's current stream (cuda.core)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from harness import jit
+from harness.errors import KernelLaunchError
+from harness.ptxas_report import KernelResources
+from harness.variants import ENTRY, SOURCE, KernelVariant
+
+
+def device_arch(device_index: int) -> str:
+    """``sm_XY`` of a visible GPU, read from the device itself."""
+    from cuda.core import Device
+
+    major, minor = Device(device_index).compute_capability
+    return f"sm_{major}{minor}"
+
+
+def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
+    return jit.CompileSpec(
+        source=jit.kernels_dir() / SOURCE,
+        arch=arch,
+        macros=variant.macros(),
+        label=variant.name,
+    )
+
+
+@dataclass(frozen=True)
+class LoadedKernel:
+    variant: KernelVariant
+    device_index: int
+    arch: str
+    kernel: object  # cuda.core Kernel
+    resources: tuple[KernelResources, ...]
+    sm_count: int
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[KernelVariant, int], LoadedKernel] = {}
+
+
+def load(variant: KernelVariant, device_index: int) -> LoadedKernel:
+    """Compile (through the cache) and load ``variant`` for one GPU; memoised per process."""
+    key = (variant, device_index)
+    if (hit := _loaded.get(key)) is not None:
+        return hit
+    with _lock:
+        if (hit := _loaded.get(key)) is not None:
+            return hit
+        from cuda.core import Device, ObjectCode
+
+        device = Device(device_index)
+        device.set_current()  # the primary context, which PyTorch uses too
+        arch = device_arch(device_index)
+        compiled = jit.compile_kernel(spec_for(variant, arch))
+        module = ObjectCode.from_cubin(compiled.cubin, name=variant.name)
+        kernel = module.get_kernel(ENTRY)
+        loaded = LoadedKernel(
+            variant,
+            device_index,
+            arch,
+            kernel,
+            tuple(compiled.resources),
+            device.properties.multiprocessor_count,
+        )
+        _loaded[key] = loaded
+        return loaded
+
+
+def _error_name(exc: BaseException) -> str:
+    """The CUDA error name (CUDA_ERROR_...) cuda.core put in its message, else the exception type."""
+    text = str(exc)
+    for token in text.replace(":", " ").replace(",", " ").split():
+        if token.startswith(("CUDA_ERROR_", "cudaError")):
+            return token.strip("()'\"")
+    return type(exc).__name__
+
+
+@functools.cache
+def _launch_config(grid: int, block: int):
+    from cuda.core import LaunchConfig
+
+    return LaunchConfig(grid=grid, block=block)
+
+
+def launch(loaded: LoadedKernel, grid: int, block: int, stream, args: tuple) -> None:
+    """Enqueue one launch; a refused launch raises KernelLaunchError with the CUDA error name."""
+    from cuda.core import launch as cu_launch
+
+    try:
+        cu_launch(stream, _launch_config(grid, block), loaded.kernel, *args)
+    except Exception as exc:
+        raise KernelLaunchError(loaded.variant.name, _error_name(exc), str(exc)) from exc
+
+
+class StreamRef:
+    """A raw stream handle in the ``__cuda_stream__`` protocol that cuda.core's launch accepts.
+
+    Built from ``torch.cuda.Stream.cuda_stream`` so it works with any PyTorch version.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def pointer(value: int) -> np.uint64:
+    return np.uint64(value)

@@ -1,0 +1,59 @@
+"""The kernel entry points: one compiled module per (quant type, output dtype, scale kind, tiling)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+QUANT_TYPES = ("nf4", "fp4")
+OUT_DTYPES = ("fp16", "bf16", "fp32")
+# Block sizes bitsandbytes 0.50.2 accepts for 4-bit (de)quantization.
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+_OUT_CODE = {"fp16": 0, "bf16": 1, "fp32": 2}
+_QUANT_CODE = {"nf4": 0, "fp4": 1}
+
+SOURCE = "dequantize_4bit.cu"
+ENTRY = "dequantize_4bit_kernel"
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """Every template parameter of the kernel; its ``name`` encodes all of them."""
+
+    quant_type: str
+    out_dtype: str
+    nested: bool
+    threads: int = 256
+    unroll: int = 4
+
+    def __post_init__(self):
+        if self.quant_type not in _QUANT_CODE:
+            raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {self.quant_type!r}")
+        if self.out_dtype not in _OUT_CODE:
+            raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {self.threads}")
+        if not 1 <= self.unroll <= 16:
+            raise ValueError(f"unroll must be in [1, 16], got {self.unroll}")
+
+    @property
+    def name(self) -> str:
+        scales = "nested" if self.nested else "plain"
+        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}"
+
+    def macros(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("DQ_OUT", str(_OUT_CODE[self.out_dtype])),
+            ("DQ_QUANT", str(_QUANT_CODE[self.quant_type])),
+            ("DQ_NESTED", "1" if self.nested else "0"),
+            ("DQ_THREADS", str(self.threads)),
+            ("DQ_UNROLL", str(self.unroll)),
+        )
+
+
+def all_variants() -> list[KernelVariant]:
+    """Every entry point the drop-in API can launch."""
+    return [
+        KernelVariant(q, d, n) for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))
+    ]

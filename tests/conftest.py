@@ -1,0 +1,112 @@
+"""GPU gating for the suite.
+
+Tests marked ``gpu`` need a CUDA device. Without one they are skipped and the run ends with one
+line saying how many were not run. With ``--require-gpu`` (what ``nox -s correctness`` passes
+on a machine that has a GPU) a skipped GPU test is reported as a failure: a missing feature,
+compiler or memory must never turn into a silent green.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+PINNED_BITSANDBYTES = "0.50.2"
+_counts = {"gpu_not_run": 0}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=os.environ.get("NF4_HARNESS_REQUIRE_GPU") == "1",
+        help="treat a skipped GPU test as a failure (gating runs on GPU machines)",
+    )
+    parser.addoption(
+        "--full-matrix",
+        action="store_true",
+        default=False,
+        help="run every model shape through the full quant x dtype x blocksize x nested matrix",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    config.addinivalue_line("markers", "huge: needs ~12 GiB of free GPU memory (deselect with -m 'not huge')")
+    config.addinivalue_line("markers", "multigpu: needs two GPUs (deselect with -m 'not multigpu')")
+
+
+def _has_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    reason = "no CUDA GPU visible (torch.cuda.is_available() is False)"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or "gpu" not in item.keywords:
+        return
+    if item.config.getoption("--require-gpu"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"GPU test skipped in a run that requires the GPU: {reason}"
+
+
+def pytest_runtest_logreport(report):
+    # Counted here, not in makereport, so the count also reaches the controller under xdist.
+    if report.skipped and report.when == "setup" and "gpu" in report.keywords:
+        _counts["gpu_not_run"] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _counts["gpu_not_run"]:
+        terminalreporter.write_line(
+            f"GPU: {_counts['gpu_not_run']} GPU tests not run (no CUDA GPU visible); "
+            "run `nox -s correctness` on a GPU machine for the bit-exactness verdict",
+            yellow=True,
+            bold=True,
+        )
+
+
+@pytest.fixture(scope="session")
+def run_seed() -> int:
+    """A fresh seed each run (printed, so a failure can be replayed with NF4_HARNESS_SEED)."""
+    seed = int(os.environ.get("NF4_HARNESS_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"\nnf4-harness seed: NF4_HARNESS_SEED={seed}")
+    return seed
+
+
+@pytest.fixture(scope="session")
+def bnb():
+    """bitsandbytes at the pinned version: the reference every result is compared against."""
+    import bitsandbytes
+    import bitsandbytes.functional as F
+
+    if bitsandbytes.__version__ != PINNED_BITSANDBYTES:
+        pytest.fail(
+            f"bitsandbytes {bitsandbytes.__version__} installed; the reference is pinned to "
+            f"{PINNED_BITSANDBYTES} (pip install bitsandbytes=={PINNED_BITSANDBYTES})"
+        )
+    return F
+
+
+@pytest.fixture
+def cuda():
+    """The CUDA device; also checks after the test that nothing left the context broken."""
+    if not _has_gpu():
+        pytest.skip("no CUDA GPU visible")
+    device = torch.device("cuda", torch.cuda.current_device())
+    yield device
+    torch.cuda.synchronize(device)  # surfaces any asynchronous fault from this test, here

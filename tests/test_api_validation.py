@@ -1,0 +1,182 @@
+"""Bad input raises a clear Python exception before any launch, and the GPU stays usable after.
+
+The first group needs no GPU (CI runs it); the second builds each bad call from a good one on the
+GPU, checks that nothing was launched, then runs a good case and checks its bits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import harness
+from harness import cases, launcher
+from harness.bitcompare import assert_bit_exact, poison_
+from harness.errors import DequantizeInputError, KernelLaunchError
+
+# --- no GPU needed -----------------------------------------------------------------------------
+
+
+def _cpu_state(**overrides):
+    from types import SimpleNamespace
+
+    state = dict(
+        absmax=torch.ones(2),
+        shape=torch.Size([128]),
+        dtype=torch.float16,
+        blocksize=64,
+        quant_type="nf4",
+        state2=None,
+        offset=None,
+    )
+    state.update(overrides)
+    return SimpleNamespace(**state)
+
+
+def test_absmax_and_out_are_required_without_quant_state():
+    A = torch.zeros(64, 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="requires both absmax and out"):
+        harness.dequantize_4bit(A, absmax=torch.ones(2))
+    with pytest.raises(ValueError, match="requires both absmax and out"):
+        harness.dequantize_4bit(A, out=torch.empty(128))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"blocksize": 48}, "invalid blocksize 48"),
+        ({"blocksize": 8192}, "invalid blocksize 8192"),
+        ({"quant_type": "int4"}, "quant_type must be 'nf4' or 'fp4', got 'int4'"),
+        ({"dtype": torch.float64}, "only supports 16/32-bit floats"),
+        ({"dtype": torch.int8}, "only supports 16/32-bit floats"),
+    ],
+)
+def test_unsupported_configuration_raises_like_bitsandbytes(override, message):
+    with pytest.raises(ValueError, match=message):
+        harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), _cpu_state(**override))
+
+
+def test_cpu_tensor_is_rejected_before_cuda_is_touched():
+    with pytest.raises(DequantizeInputError, match="must be on a CUDA device"):
+        harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), _cpu_state())
+
+
+def test_input_errors_are_value_errors():
+    assert issubclass(DequantizeInputError, ValueError)
+
+
+# --- on the GPU --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good(cuda, run_seed):
+    """A valid nested and a valid plain case, with their expected outputs from the reference."""
+    out = {}
+    for nested in (False, True):
+        case = cases.raw_case((96, 130), "nf4", 64, torch.bfloat16, nested, run_seed, device=cuda, special_scales=False)
+        out[nested] = case
+    return out
+
+
+def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
+    launches = []
+    real_launch = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: launches.append(a))
+    with pytest.raises(DequantizeInputError, match=match):
+        call()
+    assert launches == [], "a rejected call must not launch anything"
+    monkeypatch.setattr(launcher, "launch", real_launch)
+    # The context still works: a good case right after is bit-exact.
+    case = good[True]
+    got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
+    harness.dequantize_4bit(case.A, case.quant_state(), out=got)
+    assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))
+
+
+def _bad_calls(good, cuda):
+    plain, nested = good[False], good[True]
+    qs, nqs = plain.quant_state(), nested.quant_state()
+
+    def with_state(state, **changes):
+        s = copy.copy(state)
+        for k, v in changes.items():
+            setattr(s, k, v)
+        return s
+
+    def with_state2(**changes):
+        s2 = copy.copy(nqs.state2)
+        for k, v in changes.items():
+            setattr(s2, k, v)
+        return with_state(nqs, state2=s2)
+
+    out_ok = torch.empty(plain.shape, dtype=plain.dtype, device=cuda)
+    yield "A wrong dtype", lambda: harness.dequantize_4bit(plain.A.view(torch.int8), qs), "A must be uint8"
+    strided_A = torch.empty(plain.A.shape[0], 2, dtype=torch.uint8, device=cuda)[:, :1]
+    strided_A.copy_(plain.A)
+    yield "A not contiguous", lambda: harness.dequantize_4bit(strided_A, qs), "A must be contiguous"
+    yield "A too short", lambda: harness.dequantize_4bit(plain.A[:-1], qs), "bytes but shape"
+    yield "A on CPU", lambda: harness.dequantize_4bit(plain.A.cpu(), qs), "CUDA device"
+    yield "absmax short", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax[:-1])), "must hold"
+    yield "absmax fp16", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.half())), "float32"
+    yield "absmax on CPU", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.cpu())), "same GPU"
+    yield "nested codes fp32", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax.float())), "uint8"
+    yield "nested codes short", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax[:-1])), "must hold"
+    yield "code2 short", lambda: harness.dequantize_4bit(nested.A, with_state2(code=nqs.state2.code[:255])), "256"
+    yield "absmax2 short", lambda: harness.dequantize_4bit(nested.A, with_state2(absmax=nqs.state2.absmax[:0])), "must hold"
+    yield "blocksize2 not 2^k", lambda: harness.dequantize_4bit(nested.A, with_state2(blocksize=100)), "power of two"
+    yield "state2 fp16", lambda: harness.dequantize_4bit(nested.A, with_state2(dtype=torch.float16)), "float32"
+    yield "no offset", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=None)), "no offset"
+    yield "offset vector", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=torch.ones(2, device=cuda))), "one value"
+    yield "out shape", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.view(-1)), "out.shape"
+    yield "out dtype", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.float()), "out.dtype"
+    yield "out on CPU", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.cpu()), "same GPU"
+    yield "out not contiguous", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.t().contiguous().t()), "contiguous"
+
+
+def _bad_ids():
+    return [
+        "A-dtype", "A-noncontig", "A-short", "A-cpu", "absmax-short", "absmax-fp16", "absmax-cpu",
+        "nested-codes-fp32", "nested-codes-short", "code2-short", "absmax2-short", "blocksize2",
+        "state2-fp16", "no-offset", "offset-vector", "out-shape", "out-dtype", "out-cpu", "out-noncontig",
+    ]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", range(len(_bad_ids())), ids=_bad_ids())
+def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, which):
+    name, call, match = list(_bad_calls(good, cuda))[which]
+    _expect_rejected(call, match, monkeypatch, cuda, good, bnb)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_tensors_on_different_gpus_are_rejected(cuda, bnb, good, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    case = good[False]
+    qs = case.quant_state()
+    qs.absmax = qs.absmax.to("cuda:1")
+    _expect_rejected(lambda: harness.dequantize_4bit(case.A, qs), "same GPU", monkeypatch, cuda, good, bnb)
+
+
+@pytest.mark.gpu
+def test_failed_launch_names_the_cuda_error_and_context_survives(cuda, bnb, good):
+    from harness.variants import KernelVariant
+
+    loaded = launcher.load(KernelVariant("nf4", "fp16", False), cuda.index)
+    args = (launcher.pointer(0),) * 5 + (np.float32(0), launcher.pointer(0))
+    args += (np.int64(0), np.int32(6), np.int32(0), np.int32(1))
+    stream = launcher.StreamRef(torch.cuda.current_stream().cuda_stream)
+    with pytest.raises(KernelLaunchError) as info:
+        # 4096 threads per block exceeds every GPU's limit: the driver refuses the launch.
+        launcher.launch(loaded, 1, 4096, stream, args)
+    assert info.value.cuda_error.startswith("CUDA_ERROR_")
+    assert info.value.cuda_error in str(info.value)
+    torch.cuda.synchronize()
+    case = good[True]
+    got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
+    harness.dequantize_4bit(case.A, case.quant_state(), out=got)
+    assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))

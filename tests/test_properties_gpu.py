@@ -1,0 +1,43 @@
+"""Property-based cases: any shape, block size, dtype, quant type and scale kind is bit-exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import harness
+from harness import cases
+from harness.bitcompare import assert_bit_exact, poison_
+from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+
+pytestmark = pytest.mark.gpu
+
+shapes = st.lists(st.integers(1, 700), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= 300_000)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=shapes,
+    quant_type=st.sampled_from(QUANT_TYPES),
+    out_dtype=st.sampled_from(OUT_DTYPES),
+    blocksize=st.sampled_from(BLOCKSIZES),
+    nested=st.booleans(),
+    raw=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_any_case_is_bit_exact(cuda, bnb, shape, quant_type, out_dtype, blocksize, nested, raw, seed):
+    dtype = cases.dtype_of(out_dtype)
+    if raw:
+        case = cases.raw_case(shape, quant_type, blocksize, dtype, nested, seed, device=cuda)
+        A, qs = case.A, case.quant_state()
+    else:
+        A, qs = cases.quantize_weights(shape, quant_type, blocksize, nested, dtype, seed, device=cuda)
+    expected = poison_(torch.empty(qs.shape, dtype=dtype, device=cuda), alternate=True)
+    bnb.dequantize_4bit(A, qs, out=expected)
+    got = poison_(torch.empty(qs.shape, dtype=dtype, device=cuda))
+    harness.dequantize_4bit(A, qs, out=got)
+    assert_bit_exact(got, expected)
