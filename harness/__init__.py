@@ -1,6 +1,8 @@
-"""nf4-harness: a fast NF4/FP4 dequantization kernel and the harness that proves and times it."""
+"""nf4-harness: a fast NF4/FP4 dequantization kernel and the harness that proves and times it.
 
-from harness.api import dequantize_4bit
+Attributes load lazily so the compile layer (``harness.jit``) works without PyTorch installed.
+"""
+
 from harness.errors import DequantizeInputError, KernelCompileError, KernelLaunchError, ToolchainMissingError
 
 __all__ = [
@@ -10,3 +12,11 @@ __all__ = [
     "ToolchainMissingError",
     "dequantize_4bit",
 ]
+
+
+def __getattr__(name):
+    if name == "dequantize_4bit":
+        from harness.api import dequantize_4bit
+
+        return dequantize_4bit
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")

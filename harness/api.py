@@ -97,7 +97,9 @@ def dequantize_4bit(
     if A.device.type != "cuda":
         _fail(f"A must be on a CUDA device, got {A.device}")
     if A.dtype != torch.uint8:
-        _fail(f"A must be uint8 packed 4-bit data, got {A.dtype} (for a packed quant_storage, pass A.view(torch.uint8))")
+        _fail(
+            f"A must be uint8 packed 4-bit data, got {A.dtype} (for a packed quant_storage, pass A.view(torch.uint8))"
+        )
     if A.dim() == 0:
         _fail("A must have at least one dimension")
     if not A.is_contiguous():

@@ -50,9 +50,7 @@ class MismatchReport:
             f"max {self.max_ulp} ULP among finite pairs)"
         ]
         for idx, got, want, gotf, wantf in self.first:
-            lines.append(
-                f"  at {idx}: got 0x{got:0{digits}x} ({gotf!r}), expected 0x{want:0{digits}x} ({wantf!r})"
-            )
+            lines.append(f"  at {idx}: got 0x{got:0{digits}x} ({gotf!r}), expected 0x{want:0{digits}x} ({wantf!r})")
         return "\n".join(lines)
 
 

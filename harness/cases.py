@@ -56,9 +56,7 @@ def quantize_weights(
     if w.numel() >= 64:
         idx = torch.randint(0, w.numel(), (max(1, w.numel() // 4096),), generator=g, device=device)
         w.view(-1)[idx] *= 40.0
-    A, qs = F.quantize_4bit(
-        w.to(out_dtype), blocksize=blocksize, compress_statistics=nested, quant_type=quant_type
-    )
+    A, qs = F.quantize_4bit(w.to(out_dtype), blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
     return A, qs
 
 

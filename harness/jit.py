@@ -80,9 +80,7 @@ def nvrtc_version() -> str:
 
         err, major, minor = nvrtc.nvrtcVersion()
     except Exception as exc:  # the library is loaded lazily: any failure means it is not there
-        raise ToolchainMissingError(
-            f"NVRTC could not be loaded ({exc}): pip install nvidia-cuda-nvrtc"
-        ) from exc
+        raise ToolchainMissingError(f"NVRTC could not be loaded ({exc}): pip install nvidia-cuda-nvrtc") from exc
     if int(err) != 0:
         raise ToolchainMissingError(f"nvrtcVersion failed ({err}): reinstall nvidia-cuda-nvrtc")
     return f"{major}.{minor}"
@@ -96,9 +94,7 @@ def cuda_include_dir() -> Path:
         raise ToolchainMissingError("cuda.pathfinder is not installed: pip install cuda-pathfinder") from exc
     found = find_nvidia_header_directory("cudart")
     if not found:
-        raise ToolchainMissingError(
-            "CUDA runtime headers (cuda_fp16.h) not found: pip install nvidia-cuda-runtime"
-        )
+        raise ToolchainMissingError("CUDA runtime headers (cuda_fp16.h) not found: pip install nvidia-cuda-runtime")
     return Path(found)
 
 

@@ -54,6 +54,4 @@ class KernelVariant:
 
 def all_variants() -> list[KernelVariant]:
     """Every entry point the drop-in API can launch."""
-    return [
-        KernelVariant(q, d, n) for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))
-    ]
+    return [KernelVariant(q, d, n) for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))]

@@ -122,18 +122,38 @@ def _bad_calls(good, cuda):
     yield "absmax short", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax[:-1])), "must hold"
     yield "absmax fp16", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.half())), "float32"
     yield "absmax on CPU", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.cpu())), "same GPU"
-    yield "nested codes fp32", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax.float())), "uint8"
-    yield "nested codes short", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax[:-1])), "must hold"
+    yield (
+        "nested codes fp32",
+        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax.float())),
+        "uint8",
+    )
+    yield (
+        "nested codes short",
+        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax[:-1])),
+        "must hold",
+    )
     yield "code2 short", lambda: harness.dequantize_4bit(nested.A, with_state2(code=nqs.state2.code[:255])), "256"
-    yield "absmax2 short", lambda: harness.dequantize_4bit(nested.A, with_state2(absmax=nqs.state2.absmax[:0])), "must hold"
+    yield (
+        "absmax2 short",
+        lambda: harness.dequantize_4bit(nested.A, with_state2(absmax=nqs.state2.absmax[:0])),
+        "must hold",
+    )
     yield "blocksize2 not 2^k", lambda: harness.dequantize_4bit(nested.A, with_state2(blocksize=100)), "power of two"
     yield "state2 fp16", lambda: harness.dequantize_4bit(nested.A, with_state2(dtype=torch.float16)), "float32"
     yield "no offset", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=None)), "no offset"
-    yield "offset vector", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=torch.ones(2, device=cuda))), "one value"
+    yield (
+        "offset vector",
+        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=torch.ones(2, device=cuda))),
+        "one value",
+    )
     yield "out shape", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.view(-1)), "out.shape"
     yield "out dtype", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.float()), "out.dtype"
     yield "out on CPU", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.cpu()), "same GPU"
-    yield "out not contiguous", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.t().contiguous().t()), "contiguous"
+    yield (
+        "out not contiguous",
+        lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.t().contiguous().t()),
+        "contiguous",
+    )
 
 
 def _bad_ids():
@@ -147,7 +167,7 @@ def _bad_ids():
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", range(len(_bad_ids())), ids=_bad_ids())
 def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, which):
-    name, call, match = list(_bad_calls(good, cuda))[which]
+    _name, call, match = list(_bad_calls(good, cuda))[which]
     _expect_rejected(call, match, monkeypatch, cuda, good, bnb)
 
 

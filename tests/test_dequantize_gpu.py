@@ -41,7 +41,9 @@ def check_against_bnb(F, shape, quant_type, out_dtype, blocksize, scales, seed):
     F.dequantize_4bit(A, qs, out=expected)
     returned = harness.dequantize_4bit(A, qs, out=got)
     assert returned is got
-    assert_bit_exact(got, expected, f"shape={tuple(shape)} {quant_type} {out_dtype} bs={blocksize} {scales} seed={seed}")
+    assert_bit_exact(
+        got, expected, f"shape={tuple(shape)} {quant_type} {out_dtype} bs={blocksize} {scales} seed={seed}"
+    )
 
 
 @pytest.mark.parametrize(("quant_type", "out_dtype", "blocksize", "scales"), FULL, ids=FULL_IDS)

@@ -1,0 +1,90 @@
+"""Sessions of nf4-harness; ``nox -l`` lists them with the first line of each docstring.
+
+GPU machines: sessions reuse the system's PyTorch (``--system-site-packages``) so a runner's CUDA
+build is never replaced. Offline GPU boxes: ``nox --no-venv -s correctness`` runs in the current
+interpreter and installs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "compile", "correctness"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+# CPU-only CI pins a CPU build of PyTorch here; GPU runners already have theirs.
+TORCH_SPEC = os.environ.get("NF4_HARNESS_TORCH_SPEC", "torch")
+
+
+def _no_venv(session: nox.Session) -> bool:
+    return session.venv_backend == "none"
+
+
+def _install(session: nox.Session, *groups: str, project: bool = True, torch: bool = False) -> None:
+    """Install the project and dependency groups, or, under --no-venv, use what is there."""
+    if _no_venv(session):
+        session.log("--no-venv: using the packages of the current interpreter, installing nothing")
+        return
+    if torch and not _has_module(session, "torch"):
+        session.install(TORCH_SPEC)
+    reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
+    if project:
+        session.install("-e", ".", *reqs)
+    elif reqs:
+        session.install(*reqs)
+
+
+def _python(session: nox.Session) -> str:
+    return sys.executable if _no_venv(session) else "python"
+
+
+def _has_module(session: nox.Session, name: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    return session.run(_python(session), "-c", code, silent=True, success_codes=[0, 1], log=False) is True
+
+
+def gpu_count() -> int:
+    """GPUs visible to this machine (``NF4_HARNESS_GPUS`` overrides), via nvidia-smi."""
+    if (forced := os.environ.get("NF4_HARNESS_GPUS")) is not None:
+        return int(forced)
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    return min(count, len([d for d in visible.split(",") if d.strip()])) if visible is not None else count
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check."""
+    _install(session, "lint", project=False)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def correctness(session: nox.Session) -> None:
+    """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible."""
+    _install(session, "test", torch=True)
+    args = ["-m", "pytest", "tests", "-ra", "-p", "no:cacheprovider"]
+    gpus = gpu_count()
+    if gpus:
+        args.append("--require-gpu")  # a skipped GPU case fails the run
+        if gpus < 2:
+            session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
+            args += ["-m", "not multigpu"]
+    else:
+        session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
+    session.run(_python(session), *args, *session.posargs)

@@ -1,0 +1,75 @@
+"""NVRTC compiles every kernel entry point for every checked arch, with no GPU present."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import jit, launcher
+from harness.errors import KernelCompileError, ToolchainMissingError
+from harness.variants import ENTRY, all_variants
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("arch", jit.CHECKED_ARCHS)
+@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+def test_every_variant_compiles_for_every_arch(variant, arch):
+    compiled = jit.compile_kernel(launcher.spec_for(variant, arch), use_cache=False)
+    assert compiled.cubin[:4] == b"\x7fELF"
+    (res,) = compiled.resources
+    assert (res.kernel, res.arch) == (ENTRY, arch)
+    assert 0 < res.registers <= 255
+    assert res.spill_store_bytes == res.spill_load_bytes == res.stack_frame_bytes == 0
+    # The code table lives in shared memory: 64 bytes, plus 1 KiB for the nested 256-entry table.
+    assert res.shared_bytes == (64 + 1024 if variant.nested else 64)
+
+
+def test_compile_error_carries_the_nvrtc_log(tmp_path):
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" __global__ void k() { this_is_not_declared = 1; }\n')
+    with pytest.raises(KernelCompileError) as info:
+        jit.compile_kernel(jit.CompileSpec(bad, "sm_90"), use_cache=False)
+    assert "this_is_not_declared" in str(info.value)
+    assert "identifier" in info.value.log
+
+
+def test_missing_macro_is_a_compile_error_not_a_crash():
+    spec = jit.CompileSpec(jit.kernels_dir() / "dequantize_4bit.cu", "sm_80", macros=(("DQ_OUT", "0"),))
+    with pytest.raises(KernelCompileError, match="must be defined by the compile spec"):
+        jit.compile_kernel(spec, use_cache=False)
+
+
+def test_missing_headers_name_the_package(monkeypatch):
+    import cuda.pathfinder
+
+    jit.cuda_include_dir.cache_clear()
+    monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory", lambda name: None)
+    try:
+        with pytest.raises(ToolchainMissingError, match="nvidia-cuda-runtime"):
+            jit.cuda_include_dir()
+    finally:
+        jit.cuda_include_dir.cache_clear()
+
+
+def test_missing_nvrtc_names_the_package(monkeypatch):
+    from cuda.bindings import nvrtc
+
+    def broken():
+        raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
+
+    jit.nvrtc_version.cache_clear()
+    monkeypatch.setattr(nvrtc, "nvrtcVersion", broken)
+    try:
+        with pytest.raises(ToolchainMissingError, match="nvidia-cuda-nvrtc"):
+            jit.nvrtc_version()
+    finally:
+        jit.nvrtc_version.cache_clear()
+
+
+def test_arch_is_validated():
+    with pytest.raises(ValueError, match="sm_90"):
+        jit.CompileSpec(jit.kernels_dir() / "dequantize_4bit.cu", "compute_90")
