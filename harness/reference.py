@@ -1,5 +1,8 @@
 """A plain PyTorch statement of the 4-bit format, as bitsandbytes' CUDA kernels compute it.
 
+Including their flush-to-zero multiplies (``ftz=True``, the default); ``ftz=False`` gives the
+arithmetic of bitsandbytes' CPU backend, which keeps subnormals.
+
 It runs on any device and is slow on purpose: each step is one obvious tensor operation.
 It is the specification the CPU tests pin against bitsandbytes' CPU backend, and what the
 CUDA kernel's tables (kernels/dequantize_4bit.cu) must agree with.
@@ -22,6 +25,19 @@ FP4_BITS = (
     0x80000000, 0xBBAAAAAB, 0xBF2AAAAB, 0xBF800000, 0xBEAAAAAB, 0xBF000000, 0xBE2AAAAB, 0xBE800000,
 )  # fmt: skip
 CODE_BITS = {"nf4": NF4_BITS, "fp4": FP4_BITS}
+_FLT_MIN = 1.1754943508222875e-38
+
+
+def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
+    """Subnormal fp32 values become zeros of the same sign."""
+    return torch.where((x.abs() < _FLT_MIN) & (x != 0), x * 0.0, x)
+
+
+def mul(a: torch.Tensor, b: torch.Tensor, ftz: bool) -> torch.Tensor:
+    """One rounded fp32 product; with ``ftz`` as bitsandbytes' CUDA build computes it (mul.ftz)."""
+    if not ftz:
+        return a * b
+    return flush_subnormals(flush_subnormals(a) * flush_subnormals(b))
 
 
 def code_table(quant_type: str, device="cpu") -> torch.Tensor:
@@ -37,11 +53,11 @@ def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def nested_absmax(
-    qabsmax: torch.Tensor, code2: torch.Tensor, absmax2: torch.Tensor, blocksize2: int, offset
+    qabsmax: torch.Tensor, code2: torch.Tensor, absmax2: torch.Tensor, blocksize2: int, offset, ftz: bool = True
 ) -> torch.Tensor:
     """fp32 block scales from double-quantized statistics: code2[q] * absmax2[b // bs2], then + offset."""
     idx = torch.arange(qabsmax.numel(), device=qabsmax.device) // blocksize2
-    scaled = code2[qabsmax.reshape(-1).to(torch.int64)] * absmax2.reshape(-1)[idx]  # one fp32 rounding
+    scaled = mul(code2[qabsmax.reshape(-1).to(torch.int64)], absmax2.reshape(-1)[idx], ftz)  # one rounding
     off = offset if isinstance(offset, torch.Tensor) else torch.tensor(float(offset), dtype=torch.float32)
     return scaled + off.to(device=scaled.device, dtype=torch.float32)  # a second, separate rounding
 
@@ -54,10 +70,12 @@ def dequantize(
     blocksize: int,
     quant_type: str,
     table: torch.Tensor | None = None,
+    ftz: bool = True,
 ) -> torch.Tensor:
     """code[nibble] * absmax[element // blocksize] in fp32, rounded once to ``dtype``.
 
-    ``table`` replaces the CUDA code table (to model bitsandbytes' Python-table fallback).
+    ``table`` replaces the CUDA code table (to model bitsandbytes' Python-table fallback);
+    ``ftz=False`` models bitsandbytes' CPU backend, which keeps subnormals.
     """
     shape = torch.Size(shape)
     n = math.prod(shape)
@@ -65,13 +83,15 @@ def dequantize(
     table = code_table(quant_type, packed.device) if table is None else table.to(packed.device)
     values = table[codes]
     scales = absmax.reshape(-1).to(torch.float32)[torch.arange(n, device=packed.device) // blocksize]
-    return (values * scales).to(dtype).reshape(shape)
+    return mul(values, scales, ftz).to(dtype).reshape(shape)
 
 
-def dequantize_state(packed: torch.Tensor, quant_state, table: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_state(
+    packed: torch.Tensor, quant_state, table: torch.Tensor | None = None, ftz: bool = True
+) -> torch.Tensor:
     """The reference applied to a bitsandbytes QuantState (nested or not)."""
     qs = quant_state
     absmax = qs.absmax
     if qs.state2 is not None:
-        absmax = nested_absmax(absmax, qs.state2.code, qs.state2.absmax, qs.state2.blocksize, qs.offset)
-    return dequantize(packed, absmax, qs.shape, qs.dtype, qs.blocksize, qs.quant_type, table)
+        absmax = nested_absmax(absmax, qs.state2.code, qs.state2.absmax, qs.state2.blocksize, qs.offset, ftz)
+    return dequantize(packed, absmax, qs.shape, qs.dtype, qs.blocksize, qs.quant_type, table, ftz)

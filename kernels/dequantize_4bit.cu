@@ -5,6 +5,9 @@
 // multiplied in fp32 and rounded once to the output type (round-to-nearest-even).
 // Nested ("double-quantized") scales: scale[b] = code2[q[b]] * absmax2[b >> BS2_LOG2] + offset,
 // each an fp32 operation with its own rounding, exactly as bitsandbytes' three-step path.
+// bitsandbytes' CUDA library is built flush-to-zero: both of its multiplies treat subnormal
+// inputs and results as signed zeros (measured on an H100 with 0.50.2), so ours use mul.ftz.
+// The offset add is a PyTorch op there and keeps subnormals, so ours is a plain add.
 //
 // Following arXiv 2604.02556 the 16-entry code table is staged once per thread block in shared
 // memory (64 bytes) and indexed directly by the nibble; the nested path stages its 256-entry
@@ -61,12 +64,19 @@ struct Scales {
     int bs2_log2;
 };
 
+// fp32 multiply, round-to-nearest-even, subnormal inputs and result flushed to signed zero.
+__device__ __forceinline__ float mul_ftz(float a, float b) {
+    float r;
+    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 __device__ __forceinline__ float block_scale(const Scales& s, const float* s_code2, float offset, i64 block) {
 #if DQ_NESTED
     const unsigned char q = __ldg(static_cast<const unsigned char*>(s.absmax) + block);
     // Two separately rounded fp32 ops, never contracted into an FMA: bitsandbytes does the
     // multiply in its 8-bit dequantize kernel and the add as a separate torch op.
-    return __fadd_rn(__fmul_rn(s_code2[q], __ldg(s.absmax2 + (block >> s.bs2_log2))), offset);
+    return __fadd_rn(mul_ftz(s_code2[q], __ldg(s.absmax2 + (block >> s.bs2_log2))), offset);
 #else
     (void)s_code2;
     (void)offset;
@@ -95,8 +105,8 @@ __device__ __forceinline__ void decode8(u32 word, float scale, const float* s_co
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const u32 byte = (word >> (8 * k)) & 0xffu;
-        v[2 * k] = __fmul_rn(s_code[byte >> 4], scale);
-        v[2 * k + 1] = __fmul_rn(s_code[byte & 0xfu], scale);
+        v[2 * k] = mul_ftz(s_code[byte >> 4], scale);
+        v[2 * k + 1] = mul_ftz(s_code[byte & 0xfu], scale);
     }
 }
 
@@ -170,6 +180,6 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(
         const unsigned char byte = __ldg(A + (e >> 1));
         const u32 nib = (e & 1) ? (byte & 0xfu) : (byte >> 4);
         const float scale = block_scale(s, s_code2, offset, e >> s.bs_log2);
-        out[e] = to_out(__fmul_rn(s_code[nib], scale));
+        out[e] = to_out(mul_ftz(s_code[nib], scale));
     }
 }

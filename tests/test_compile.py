@@ -20,6 +20,7 @@ def tmp_cache(tmp_path, monkeypatch):
 def test_every_variant_compiles_for_every_arch(variant, arch):
     compiled = jit.compile_kernel(launcher.spec_for(variant, arch), use_cache=False)
     assert compiled.cubin[:4] == b"\x7fELF"
+    assert len(compiled.resources) == 1, compiled.log
     (res,) = compiled.resources
     assert (res.kernel, res.arch) == (ENTRY, arch)
     assert 0 < res.registers <= 255

@@ -40,7 +40,8 @@ def check_against_bnb(F, shape, quant_type, out_dtype, blocksize, scales, seed):
     got = poison_(torch.empty(qs.shape, dtype=dtype, device=A.device))
     F.dequantize_4bit(A, qs, out=expected)
     returned = harness.dequantize_4bit(A, qs, out=got)
-    assert returned is got
+    # Like bitsandbytes: the out tensor itself, or its transpose when A is [1, bytes].
+    assert returned is got if A.shape[0] != 1 else returned.data_ptr() == got.data_ptr()
     assert_bit_exact(
         got, expected, f"shape={tuple(shape)} {quant_type} {out_dtype} bs={blocksize} {scales} seed={seed}"
     )
