@@ -18,6 +18,7 @@ import json
 import os
 import re
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,10 +171,14 @@ class CompiledKernel:
 def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
     Program, ProgramOptions = _require_program()
     opts = dict(spec.options)
+    # NVRTC 13.0 returned an empty log (no ptxas report) for a program it had already compiled in
+    # the same process (seen on an H100 box), so each compile carries a unique, unused macro. It
+    # cannot change the code, so it is not part of the cache key.
+    nonce = ("NF4_HARNESS_COMPILE_NONCE", uuid.uuid4().hex)
     opts.update(
         arch=spec.arch,
         include_path=[str(cuda_include_dir()), str(Path(spec.source).parent)],
-        define_macro=[(k, v) for k, v in spec.macros] or None,
+        define_macro=[*spec.macros, nonce],
         name=Path(spec.source).name,
     )
     if isinstance(opts.get("ptxas_options"), tuple):

@@ -39,8 +39,10 @@ def test_raw_bytes_and_hostile_scales(cuda, bnb, run_seed, shape, quant_type, ou
     got, expected = _run(bnb, case)
     assert_bit_exact(got, expected, f"seed={run_seed}")
     if -(-case.A.numel() * 2 // blocksize) >= 256:
-        # The scales really were hostile: NaN and Inf outputs exist, so payloads were exercised.
-        assert bool(torch.isnan(expected).any()) and bool(torch.isinf(expected).any())
+        # The scales really were hostile: NaN outputs exist, so payloads were exercised, and with
+        # plain scales infinities too (nested decode can turn an inf scale into NaN or a finite).
+        assert bool(torch.isnan(expected).any())
+        assert nested or bool(torch.isinf(expected).any())
 
 
 @pytest.mark.parametrize("blocksize2", [64, 256, 4096])
