@@ -1,4 +1,4 @@
-"""Run-time compilation of ``kernels/*.cu`` with NVRTC (cuda.core) and an on-disk cubin cache.
+"""Run-time compilation of ``kernels/*.cu`` with NVRTC (cuda.bindings) and an on-disk cubin cache.
 
 The cache key hashes everything that can change the machine code: the kernel source and every
 header it includes (found by scanning ``#include``), the target arch, every NVRTC option and
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import json
 import os
 import re
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,15 +30,17 @@ KERNELS_ENV = "NF4_HARNESS_KERNELS_DIR"
 # Architectures the CPU-side compile check covers (Ampere, consumer Ampere, Ada, Hopper).
 CHECKED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
-# NVRTC options every kernel is built with. fma=False: no fp32 multiply-add contraction anywhere,
-# since bit-exactness against bitsandbytes depends on separately rounded products and sums.
-DEFAULT_OPTIONS: tuple[tuple[str, object], ...] = (
-    ("std", "c++17"),
-    ("fma", False),
-    ("ftz", False),
-    ("prec_div", True),
-    ("prec_sqrt", True),
-    ("ptxas_options", ("-v",)),
+# NVRTC options every kernel is built with, as NVRTC spells them (they go into the cache key
+# verbatim). --fmad=false: no fp32 multiply-add contraction anywhere, since bit-exactness against
+# bitsandbytes depends on separately rounded products and sums. -v makes ptxas print its
+# resource report (registers, spills, stack, shared memory) into the program log.
+DEFAULT_OPTIONS: tuple[str, ...] = (
+    "--std=c++17",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+    "--ptxas-options=-v",
 )
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
@@ -64,22 +64,20 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("nf4-harness"))
 
 
-def _require_program():
+def _nvrtc():
     try:
-        from cuda.core import Program, ProgramOptions
+        from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - exercised only without cuda-python
-        raise ToolchainMissingError(
-            "cuda.core is not installed: pip install cuda-core cuda-bindings (cuda-python)"
-        ) from exc
-    return Program, ProgramOptions
+        raise ToolchainMissingError("cuda.bindings is not installed: pip install cuda-bindings") from exc
+    return nvrtc
 
 
 @functools.cache
 def nvrtc_version() -> str:
     try:
-        from cuda.bindings import nvrtc
-
-        err, major, minor = nvrtc.nvrtcVersion()
+        err, major, minor = _nvrtc().nvrtcVersion()
+    except ToolchainMissingError:
+        raise
     except Exception as exc:  # the library is loaded lazily: any failure means it is not there
         raise ToolchainMissingError(f"NVRTC could not be loaded ({exc}): pip install nvidia-cuda-nvrtc") from exc
     if int(err) != 0:
@@ -132,7 +130,7 @@ class CompileSpec:
     source: Path
     arch: str
     macros: tuple[tuple[str, str], ...] = ()
-    options: tuple[tuple[str, object], ...] = DEFAULT_OPTIONS
+    options: tuple[str, ...] = DEFAULT_OPTIONS
     label: str = "kernel"
 
     def __post_init__(self):
@@ -145,7 +143,7 @@ class CompileSpec:
             "source": source_digest(Path(self.source), [cuda_include_dir()]),
             "arch": self.arch,
             "macros": sorted(self.macros),
-            "options": sorted((k, repr(v)) for k, v in self.options),
+            "options": list(self.options),
             "nvrtc": nvrtc_version(),
         }
 
@@ -169,33 +167,35 @@ class CompiledKernel:
 
 
 def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
-    Program, ProgramOptions = _require_program()
-    opts = dict(spec.options)
-    # NVRTC 13.0 returned an empty log (no ptxas report) for a program it had already compiled in
-    # the same process (seen on an H100 box), so each compile carries a unique, unused macro. It
-    # cannot change the code, so it is not part of the cache key.
-    nonce = ("NF4_HARNESS_COMPILE_NONCE", uuid.uuid4().hex)
-    opts.update(
-        arch=spec.arch,
-        include_path=[str(cuda_include_dir()), str(Path(spec.source).parent)],
-        define_macro=[*spec.macros, nonce],
-        name=Path(spec.source).name,
-    )
-    if isinstance(opts.get("ptxas_options"), tuple):
-        opts["ptxas_options"] = list(opts["ptxas_options"])
-    log = io.StringIO()
+    """One NVRTC compile (cuda.bindings): the cubin and the program log, ptxas report included."""
+    nvrtc = _nvrtc()
+    source = Path(spec.source)
+    options = [
+        *spec.options,
+        f"--gpu-architecture={spec.arch}",
+        f"--include-path={cuda_include_dir()}",
+        f"--include-path={source.parent}",
+        *(f"-D{k}={v}" for k, v in spec.macros),
+    ]
+    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelCompileError(f"nvrtcCreateProgram failed for {spec.label}: {err.name}")
     try:
-        program = Program(Path(spec.source).read_text(), "c++", ProgramOptions(**opts))
-        try:
-            obj = program.compile("cubin", logs=log)
-        finally:
-            program.close()
-    except ToolchainMissingError:
-        raise
-    except Exception as exc:
-        text = log.getvalue().strip("\0\n ") or str(exc)
-        raise KernelCompileError(f"NVRTC failed to compile {spec.label} for {spec.arch}", text) from exc
-    return bytes(obj.code), log.getvalue().replace("\0", "")
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.decode("utf-8", "replace").rstrip("\0")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(f"NVRTC failed to compile {spec.label} for {spec.arch} ({result.name})", log_text)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(f"nvrtcGetCUBIN failed for {spec.label}: {err.name}", log_text)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return cubin, log_text
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -42,8 +42,8 @@ def test_every_input_changes_the_key(src, monkeypatch):
         "arch": _spec(src, arch="sm_80").key,
         "macro value": _spec(src, macros=KernelVariant("nf4", "fp16", True, unroll=2).macros()).key,
         "extra macro": _spec(src, macros=(*base.macros, ("X", "1"))).key,
-        "option": _spec(src, options=(*base.options, ("max_register_count", 64))).key,
-        "option value": _spec(src, options=tuple((k, True if k == "fma" else v) for k, v in base.options)).key,
+        "option": _spec(src, options=(*base.options, "--maxrregcount=64")).key,
+        "option value": _spec(src, options=tuple(o.replace("fmad=false", "fmad=true") for o in base.options)).key,
     }
     (src / "dequantize_4bit.cu").write_text((src / "dequantize_4bit.cu").read_text() + "\n// edit\n")
     variants["source text"] = base.key
