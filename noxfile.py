@@ -7,10 +7,12 @@ interpreter and installs nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import nox
 
@@ -27,7 +29,9 @@ def _no_venv(session: nox.Session) -> bool:
     return session.venv_backend == "none"
 
 
-def _install(session: nox.Session, *groups: str, project: bool = True, torch: bool = False) -> None:
+def _install(
+    session: nox.Session, *groups: str, project: bool = True, torch: bool = False, extra: tuple[str, ...] = ()
+) -> None:
     """Install the project and dependency groups, or, under --no-venv, use what is there."""
     if _no_venv(session):
         session.log("--no-venv: using the packages of the current interpreter, installing nothing")
@@ -35,10 +39,13 @@ def _install(session: nox.Session, *groups: str, project: bool = True, torch: bo
     if torch and not _has_module(session, "torch"):
         session.install(TORCH_SPEC)
     reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
-    if project:
-        session.install("-e", ".", *reqs)
-    elif reqs:
-        session.install(*reqs)
+    if project and torch:
+        session.install("-e", ".", *reqs, *extra)
+    elif project:  # the project without its PyTorch dependency: the group lists what is needed
+        session.install(*reqs, *extra)
+        session.install("--no-deps", "-e", ".")
+    else:
+        session.install(*reqs, *extra)
 
 
 def _python(session: nox.Session) -> str:
@@ -72,6 +79,20 @@ def lint(session: nox.Session) -> None:
     _install(session, "lint", project=False)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def compile(session: nox.Session) -> None:
+    """NVRTC-compile every kernel for sm_80/86/89/90 (no GPU); fail on new spills or register growth.
+
+    ``nox -s compile -- --update`` re-records baselines/ptxas-resources.json.
+    """
+    record = Path("baselines/ptxas-resources.json")
+    pinned = json.loads(record.read_text()).get("nvidia_cuda_nvrtc_wheel") if record.exists() else None
+    # Registers depend on the compiler: check with the NVRTC the record was made with.
+    extra = (f"nvidia-cuda-nvrtc=={pinned}",) if pinned and "--update" not in session.posargs else ()
+    _install(session, "compile", extra=extra)
+    session.run(_python(session), "-m", "harness.resource_record", *session.posargs)
 
 
 @nox.session(venv_params=["--system-site-packages"])

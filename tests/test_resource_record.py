@@ -1,0 +1,74 @@
+"""The ptxas record check: what fails the build and what is only reported."""
+
+import copy
+import json
+
+from harness import resource_record
+from harness.resource_record import DEFAULT_RECORD, compare
+
+BASE = {
+    "nvrtc": "13.5",
+    "kernels": {
+        "k@sm_90": {
+            "registers": 32,
+            "spill_store_bytes": 0,
+            "spill_load_bytes": 0,
+            "stack_frame_bytes": 0,
+            "shared_bytes": 64,
+        }
+    },
+}
+
+
+def _with(**changes):
+    current = copy.deepcopy(BASE)
+    current["kernels"]["k@sm_90"].update(changes)
+    return current
+
+
+def test_identical_build_passes():
+    assert compare(BASE, copy.deepcopy(BASE)) == ([], [])
+
+
+def test_register_growth_fails_and_shrink_passes():
+    failures, _ = compare(BASE, _with(registers=40))
+    assert failures == ["k@sm_90: registers 32 -> 40"]
+    assert compare(BASE, _with(registers=24))[0] == []
+
+
+def test_new_spills_and_stack_fail():
+    failures, _ = compare(BASE, _with(spill_store_bytes=8, spill_load_bytes=8, stack_frame_bytes=8))
+    assert len(failures) == 3
+
+
+def test_unrecorded_kernel_fails_and_dropped_kernel_is_noted():
+    current = copy.deepcopy(BASE)
+    current["kernels"]["new@sm_80"] = current["kernels"].pop("k@sm_90")
+    failures, notes = compare(BASE, current)
+    assert failures == ["new@sm_80: not in the record"]
+    assert notes == ["k@sm_90: recorded but no longer built"]
+
+
+def test_compiler_change_and_shared_memory_change_are_noted():
+    current = _with(shared_bytes=1088)
+    current["nvrtc"] = "13.6"
+    failures, notes = compare(BASE, current)
+    assert failures == [] and len(notes) == 2
+
+
+def test_committed_record_covers_every_variant_and_arch():
+    from harness.jit import CHECKED_ARCHS
+    from harness.variants import all_variants
+
+    recorded = json.loads(DEFAULT_RECORD.read_text())["kernels"]
+    assert set(recorded) == {f"{v.name}@{a}" for v in all_variants() for a in CHECKED_ARCHS}
+
+
+def test_cli_fails_against_a_tighter_record(tmp_path, monkeypatch, capsys):
+    tight = json.loads(DEFAULT_RECORD.read_text())
+    for entry in tight["kernels"].values():
+        entry["registers"] = 1
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(tight))
+    assert resource_record.main(["--record", str(path)]) == 1
+    assert "nox -s compile -- --update" in capsys.readouterr().out
