@@ -11,6 +11,7 @@ cubin digest disagrees is rebuilt, never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -177,6 +178,27 @@ def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
         f"--include-path={source.parent}",
         *(f"-D{k}={v}" for k, v in spec.macros),
     ]
+    with _nvrtc_cache_disabled():
+        return _nvrtc_compile_program(nvrtc, spec, source, options)
+
+
+@contextlib.contextmanager
+def _nvrtc_cache_disabled():
+    """NVRTC (12.9+) keeps its own on-disk cache and, on a hit, returns an empty log: no ptxas
+    report (seen with NVRTC 13.0 on the GPU box). Our cache already avoids recompiles, so turn
+    NVRTC's off (CUDA_CACHE_DISABLE) for the duration of a compile."""
+    previous = os.environ.get("CUDA_CACHE_DISABLE")
+    os.environ["CUDA_CACHE_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_CACHE_DISABLE", None)
+        else:
+            os.environ["CUDA_CACHE_DISABLE"] = previous
+
+
+def _nvrtc_compile_program(nvrtc, spec: CompileSpec, source: Path, options: list[str]) -> tuple[bytes, str]:
     err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise KernelCompileError(f"nvrtcCreateProgram failed for {spec.label}: {err.name}")

@@ -2,8 +2,7 @@
 
 ``python -m harness.resource_record`` compiles every entry point for every checked arch (no GPU
 needed) and fails when a kernel newly spills, grows its stack frame or uses more registers than
-recorded; ``--update`` rewrites the record. Run it in a process with no CUDA context (NVRTC 13.0
-drops the ptxas report for the current GPU's arch otherwise).
+recorded; ``--update`` rewrites the record.
 """
 
 from __future__ import annotations

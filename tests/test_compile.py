@@ -1,8 +1,7 @@
 """NVRTC compiles every kernel entry point for every checked arch, with no GPU present.
 
-The compiles run in a fresh interpreter: NVRTC 13.0 left the ptxas report out of the log for the
-GPU's own arch once a CUDA context was current in the process (seen on an H100), and earlier GPU
-tests in the same pytest process create one.
+The compiles run in a fresh interpreter, as `nox -s compile` does, so nothing earlier tests did
+to the process (a CUDA context, environment changes) can influence what NVRTC reports.
 """
 
 from __future__ import annotations
