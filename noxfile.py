@@ -114,7 +114,7 @@ def compile(session: nox.Session) -> None:
 def correctness(session: nox.Session) -> None:
     """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible."""
     _install(session, "test", torch=True)
-    args = ["-m", "pytest", "tests", "-ra", "-p", "no:cacheprovider"]
+    args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     gpus = gpu_count()
     if not gpus:
         session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
@@ -131,3 +131,31 @@ def correctness(session: nox.Session) -> None:
     env = {"NF4_HARNESS_WORKER_GPUS": ",".join(map(str, range(gpus)))}
     session.run(_python(session), *args, "-n", str(gpus), "-m", "not multigpu", *session.posargs, env=env)
     session.run(_python(session), *args, "-m", "multigpu", *session.posargs)
+
+
+@nox.session(venv_params=["--system-site-packages"], default=False)
+def perf(session: nox.Session) -> None:
+    """GPU timings against bitsandbytes, gated on the baseline for this GPU model (GPU only).
+
+    ``nox -s perf -- --save-baseline`` records this run as the baseline for this GPU model.
+    """
+    if not gpu_count():
+        session.error("nox -s perf needs an NVIDIA GPU: none is visible on this machine")
+    _install(session, "test", "perf", torch=True)
+    out = Path(os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out"))
+    out.mkdir(exist_ok=True)
+    session.run(
+        _python(session),
+        "-m",
+        "pytest",
+        "tests/perf",
+        "--require-gpu",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--benchmark-only",
+        f"--benchmark-json={out / 'benchmark.json'}",
+        f"--perf-out={out}",
+        "--benchmark-columns=median,iqr,rounds",
+        *session.posargs,
+    )

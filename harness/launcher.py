@@ -33,7 +33,7 @@ def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
 
 @dataclass(frozen=True)
 class LoadedKernel:
-    variant: KernelVariant
+    variant: KernelVariant | None
     device_index: int
     arch: str
     kernel: object  # cuda.core Kernel
@@ -42,12 +42,24 @@ class LoadedKernel:
 
 
 _lock = threading.Lock()
-_loaded: dict[tuple[KernelVariant, int], LoadedKernel] = {}
+_loaded: dict[tuple, LoadedKernel] = {}
 
 
 def load(variant: KernelVariant, device_index: int) -> LoadedKernel:
     """Compile (through the cache) and load ``variant`` for one GPU; memoised per process."""
-    key = (variant, device_index)
+    return load_source(variant.name, SOURCE, ENTRY, device_index, variant.macros(), variant)
+
+
+def load_source(
+    label: str,
+    source: str,
+    entry: str,
+    device_index: int,
+    macros: tuple[tuple[str, str], ...] = (),
+    variant: KernelVariant | None = None,
+) -> LoadedKernel:
+    """Compile and load entry point ``entry`` of ``kernels/<source>``; memoised per process."""
+    key = (label, source, entry, device_index, macros)
     if (hit := _loaded.get(key)) is not None:
         return hit
     with _lock:
@@ -58,16 +70,11 @@ def load(variant: KernelVariant, device_index: int) -> LoadedKernel:
         device = Device(device_index)
         device.set_current()  # the primary context, which PyTorch uses too
         arch = device_arch(device_index)
-        compiled = jit.compile_kernel(spec_for(variant, arch))
-        module = ObjectCode.from_cubin(compiled.cubin, name=variant.name)
-        kernel = module.get_kernel(ENTRY)
+        spec = jit.CompileSpec(source=jit.kernels_dir() / source, arch=arch, macros=macros, label=label)
+        compiled = jit.compile_kernel(spec)
+        kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
         loaded = LoadedKernel(
-            variant,
-            device_index,
-            arch,
-            kernel,
-            tuple(compiled.resources),
-            device.properties.multiprocessor_count,
+            variant, device_index, arch, kernel, tuple(compiled.resources), device.properties.multiprocessor_count
         )
         _loaded[key] = loaded
         return loaded
@@ -96,7 +103,8 @@ def launch(loaded: LoadedKernel, grid: int, block: int, stream, args: tuple) -> 
     try:
         cu_launch(stream, _launch_config(grid, block), loaded.kernel, *args)
     except Exception as exc:
-        raise KernelLaunchError(loaded.variant.name, _error_name(exc), str(exc)) from exc
+        name = loaded.variant.name if loaded.variant else "kernel"
+        raise KernelLaunchError(name, _error_name(exc), str(exc)) from exc
 
 
 class StreamRef:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -15,6 +16,13 @@ _QUANT_CODE = {"nf4": 0, "fp4": 1}
 
 SOURCE = "dequantize_4bit.cu"
 ENTRY = "dequantize_4bit_kernel"
+# A deliberately slower build (one extra pass over the packed input, about +20% bytes for fp16
+# output) used to prove the perf gate catches a regression: NF4_HARNESS_EXTRA_READ=1.
+EXTRA_READ_ENV = "NF4_HARNESS_EXTRA_READ"
+
+
+def extra_read_requested() -> bool:
+    return os.environ.get(EXTRA_READ_ENV) == "1"
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,7 @@ class KernelVariant:
     nested: bool
     threads: int = 256
     unroll: int = 4
+    extra_read: bool = False
 
     def __post_init__(self):
         if self.quant_type not in _QUANT_CODE:
@@ -40,7 +49,8 @@ class KernelVariant:
     @property
     def name(self) -> str:
         scales = "nested" if self.nested else "plain"
-        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}"
+        slow = "-xr" if self.extra_read else ""
+        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}{slow}"
 
     def macros(self) -> tuple[tuple[str, str], ...]:
         return (
@@ -49,6 +59,7 @@ class KernelVariant:
             ("DQ_NESTED", "1" if self.nested else "0"),
             ("DQ_THREADS", str(self.threads)),
             ("DQ_UNROLL", str(self.unroll)),
+            ("DQ_EXTRA_READ", "1" if self.extra_read else "0"),
         )
 
 

@@ -19,11 +19,15 @@
 //   DQ_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
 //   DQ_THREADS threads per block
 //   DQ_UNROLL  independent 8-element chunks in flight per thread
+//   DQ_EXTRA_READ  1 = read the packed input twice (a deliberately slower build for the perf gate)
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #if !defined(DQ_OUT) || !defined(DQ_QUANT) || !defined(DQ_NESTED) || !defined(DQ_THREADS) || !defined(DQ_UNROLL)
 #error "DQ_OUT, DQ_QUANT, DQ_NESTED, DQ_THREADS and DQ_UNROLL must be defined by the compile spec"
+#endif
+#ifndef DQ_EXTRA_READ
+#define DQ_EXTRA_READ 0
 #endif
 
 typedef long long i64;
@@ -144,6 +148,16 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(
 
     const i64 stride_threads = (i64)gridDim.x * DQ_THREADS;
     i64 scalar_begin = 0;
+
+#if DQ_EXTRA_READ
+    {
+        // One more pass over the packed bytes; the result only guards a store that never happens.
+        u32 acc = 0;
+        for (i64 i = (i64)blockIdx.x * DQ_THREADS + threadIdx.x; i < ((n + 1) >> 1); i += stride_threads)
+            acc += __ldcs(A + i);
+        if (acc == 0xffffffffu) out[0] = to_out(0.0f);
+    }
+#endif
 
     if (vectorized) {
         // Chunks of 8 elements (4 input bytes, 16 or 32 output bytes). The smallest block size

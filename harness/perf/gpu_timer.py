@@ -1,0 +1,206 @@
+"""GPU time per launch, measured the way nvbench measures a cold-cache sample.
+
+One sample is a small state machine on the measured stream:
+
+    FLUSH_L2      write a buffer at least as large as the L2, so the launch starts cold
+    BLOCK         enqueue a kernel that spins on a host-mapped flag, holding the stream
+    RECORD_START  enqueue the start event
+    LAUNCH        enqueue the work (any callable that launches on the current stream)
+    RECORD_STOP   enqueue the stop event
+    RELEASE       set the flag: everything queued behind the spin runs back to back
+    READ          wait for the stop event, read the elapsed time and the SM clock
+
+Because the host enqueues while the stream is held, the host's launch cost never shows up as a gap
+inside the timed region. Whether to keep sampling is the ``StopRule``'s call; whether a sample
+counts is the ``ThrottleRule``'s. Both have their defaults written down below.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harness import launcher
+
+BLOCK_TIMEOUT_NS = 2_000_000_000  # a spin that is never released gives up after 2 s
+
+
+class State(enum.Enum):
+    FLUSH_L2 = "flush_l2"
+    BLOCK = "block"
+    RECORD_START = "record_start"
+    LAUNCH = "launch"
+    RECORD_STOP = "record_stop"
+    RELEASE = "release"
+    READ = "read"
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Sample until the relative noise (stdev / mean of kept samples) is at most ``max_noise``
+    with at least ``min_samples`` kept, or until ``budget_s`` of wall time or ``max_samples``."""
+
+    max_noise: float = 0.005
+    min_samples: int = 10
+    budget_s: float = 0.5
+    max_samples: int = 1000
+
+    def done(self, kept: list[float], taken: int, elapsed_s: float) -> bool:
+        if taken >= self.max_samples or elapsed_s >= self.budget_s:
+            return True
+        return len(kept) >= self.min_samples and relative_noise(kept) <= self.max_noise
+
+
+@dataclass(frozen=True)
+class ThrottleRule:
+    """Discard a sample when the SM clock read right after it is below ``min_fraction`` of the
+    GPU's default (base application) clock: the GPU was throttling, the time says nothing."""
+
+    min_fraction: float = 0.75
+
+    def keep(self, sm_clock_mhz: float | None, default_mhz: float | None) -> bool:
+        if not sm_clock_mhz or not default_mhz:
+            return True  # no clock to judge by
+        return sm_clock_mhz >= self.min_fraction * default_mhz
+
+
+def relative_noise(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return math.inf
+    mean = statistics.fmean(samples)
+    return statistics.stdev(samples) / mean if mean > 0 else math.inf
+
+
+@dataclass
+class Measurement:
+    samples_s: list[float]
+    discarded: int
+    sm_clocks_mhz: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    @property
+    def noise(self) -> float:
+        return relative_noise(self.samples_s)
+
+    def summary(self) -> dict:
+        return {
+            "median_us": self.median_s * 1e6,
+            "noise": self.noise,
+            "p10_us": float(np.percentile(self.samples_s, 10)) * 1e6,
+            "p90_us": float(np.percentile(self.samples_s, 90)) * 1e6,
+            "samples": len(self.samples_s),
+            "discarded": self.discarded,
+            "sm_clock_mhz": statistics.median(self.sm_clocks_mhz) if self.sm_clocks_mhz else None,
+        }
+
+
+class ColdL2Timer:
+    """Measures any launch callable; one instance per device, reused across cases."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        stop: StopRule = StopRule(),
+        throttle: ThrottleRule = ThrottleRule(),
+        clock: Callable[[], tuple[float | None, float | None]] | None = None,
+    ):
+        self.device = device
+        self.stop = stop
+        self.throttle = throttle
+        self.clock = clock or (lambda: (None, None))  # (current SM MHz, default SM MHz)
+        props = torch.cuda.get_device_properties(device)
+        # At least the L2 size, and never under 32 MiB, so the flush evicts everything.
+        self.flush_buffer = torch.empty(max(2 * props.L2_cache_size, 32 << 20), dtype=torch.uint8, device=device)
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.stop_event = torch.cuda.Event(enable_timing=True)
+        self.blocker = launcher.load_source("block-stream", "block_stream.cu", "block_stream", device.index)
+        self.state = State.READ
+
+    def _block(self, stream: torch.cuda.Stream) -> None:
+        self.flag.zero_()
+        launcher.launch(
+            self.blocker,
+            1,
+            32,
+            launcher.StreamRef(stream.cuda_stream),
+            (
+                launcher.pointer(self.flag.data_ptr()),
+                launcher.pointer(self.timed_out.data_ptr()),
+                np.uint64(BLOCK_TIMEOUT_NS),
+            ),
+        )
+
+    def sample(self, fn: Callable[[], object]) -> tuple[float, float | None]:
+        """One cold-L2, gap-free sample of ``fn``: (GPU seconds, SM clock in MHz or None)."""
+        stream = torch.cuda.current_stream(self.device)
+        self.state = State.FLUSH_L2
+        self.flush_buffer.fill_(1)
+        self.state = State.BLOCK
+        self._block(stream)
+        self.state = State.RECORD_START
+        self.start.record(stream)
+        self.state = State.LAUNCH
+        fn()
+        self.state = State.RECORD_STOP
+        self.stop_event.record(stream)
+        self.state = State.RELEASE
+        self.flag.fill_(1)
+        self.state = State.READ
+        self.stop_event.synchronize()
+        if int(self.timed_out.item()):
+            self.timed_out.zero_()
+            raise RuntimeError("the blocking kernel timed out: the timed work took too long to enqueue")
+        elapsed_s = self.start.elapsed_time(self.stop_event) / 1e3
+        current, _ = self.clock()
+        return elapsed_s, current
+
+    def measure(self, fn: Callable[[], object], warmup: int = 3) -> Measurement:
+        """Warm up (compilation, caches of the host side), then sample under the rules."""
+        return self.measure_with(fn, self.stop, warmup)
+
+    def measure_with(self, fn: Callable[[], object], stop: StopRule, warmup: int = 3) -> Measurement:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize(self.device)
+        kept, clocks, discarded, taken = [], [], 0, 0
+        t0 = time.perf_counter()
+        _, default = self.clock()
+        while not stop.done(kept, taken, time.perf_counter() - t0):
+            elapsed, sm = self.sample(fn)
+            taken += 1
+            if self.throttle.keep(sm, default):
+                kept.append(elapsed)
+                if sm:
+                    clocks.append(sm)
+            else:
+                discarded += 1
+        if not kept:
+            raise RuntimeError(f"every one of {taken} samples was discarded as throttled")
+        return Measurement(kept, discarded, clocks)
+
+
+def per_call_seconds(fn: Callable[[], object], device: torch.device, calls: int = 200) -> float:
+    """Time per call as a caller sees it: back-to-back calls, host work included, no blocking."""
+    for _ in range(5):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream = torch.cuda.current_stream(device)
+    torch.cuda.synchronize(device)
+    start.record(stream)
+    for _ in range(calls):
+        fn()
+    stop.record(stream)
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3 / calls
