@@ -176,7 +176,7 @@ def _launch(variant, A, out, n, bs_log2, bs2_log2, scale_args) -> None:
             loaded,
             grid,
             variant.threads,
-            launcher.StreamRef(stream.cuda_stream),
+            stream.cuda_stream,
             (
                 launcher.pointer(A.data_ptr()),
                 *scale_args,

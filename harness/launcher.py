@@ -96,30 +96,28 @@ def _launch_config(grid: int, block: int):
     return LaunchConfig(grid=grid, block=block)
 
 
-def launch(loaded: LoadedKernel, grid: int, block: int, stream, args: tuple) -> None:
-    """Enqueue one launch; a refused launch raises KernelLaunchError with the CUDA error name."""
+_streams: dict[int, object] = {}
+
+
+def stream_for(handle: int):
+    """A cuda.core Stream borrowing a raw CUDA stream handle (e.g. ``torch.cuda.Stream.cuda_stream``)."""
+    if (hit := _streams.get(handle)) is None:
+        from cuda.core import Stream
+
+        hit = _streams[handle] = Stream.from_handle(handle)
+    return hit
+
+
+def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, args: tuple) -> None:
+    """Enqueue one launch on a raw stream handle; a refused launch raises KernelLaunchError
+    with the CUDA error name."""
     from cuda.core import launch as cu_launch
 
     try:
-        cu_launch(stream, _launch_config(grid, block), loaded.kernel, *args)
+        cu_launch(stream_for(stream_handle), _launch_config(grid, block), loaded.kernel, *args)
     except Exception as exc:
         name = loaded.variant.name if loaded.variant else "kernel"
         raise KernelLaunchError(name, _error_name(exc), str(exc)) from exc
-
-
-class StreamRef:
-    """A raw stream handle in the ``__cuda_stream__`` protocol that cuda.core's launch accepts.
-
-    Built from ``torch.cuda.Stream.cuda_stream`` so it works with any PyTorch version.
-    """
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 def pointer(value: int) -> np.uint64:

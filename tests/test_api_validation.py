@@ -189,7 +189,7 @@ def test_failed_launch_names_the_cuda_error_and_context_survives(cuda, bnb, good
     loaded = launcher.load(KernelVariant("nf4", "fp16", False), cuda.index)
     args = (launcher.pointer(0),) * 5 + (np.float32(0), launcher.pointer(0))
     args += (np.int64(0), np.int32(6), np.int32(0), np.int32(1))
-    stream = launcher.StreamRef(torch.cuda.current_stream().cuda_stream)
+    stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(KernelLaunchError) as info:
         # 4096 threads per block exceeds every GPU's limit: the driver refuses the launch.
         launcher.launch(loaded, 1, 4096, stream, args)

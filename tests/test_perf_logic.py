@@ -20,28 +20,33 @@ GPU = {
 
 
 def test_identical_data_is_same():
-    assert verdict.judge(100.0, 0.004, 100.0, 0.004).name == "SAME"
+    assert verdict.judge(100.0, 0.004, 500, 100.0, 0.004, 500).name == "SAME"
 
 
 def test_ten_percent_slower_with_small_spread_is_slower():
-    v = verdict.judge(110.0, 0.004, 100.0, 0.004)
+    v = verdict.judge(110.0, 0.004, 500, 100.0, 0.004, 500)
     assert v.name == "SLOWER" and v.delta == pytest.approx(0.10)
 
 
 def test_ten_percent_faster_is_faster():
-    assert verdict.judge(90.0, 0.004, 100.0, 0.004).name == "FASTER"
+    assert verdict.judge(90.0, 0.004, 500, 100.0, 0.004, 500).name == "FASTER"
+
+
+def test_more_samples_narrow_the_interval():
+    assert verdict.judge(108.0, 0.06, 10, 100.0, 0.06, 10).name == "AMBIGUOUS"
+    assert verdict.judge(108.0, 0.06, 1000, 100.0, 0.06, 1000).name == "SLOWER"
 
 
 def test_overlapping_noisy_data_is_ambiguous():
-    assert verdict.judge(108.0, 0.03, 100.0, 0.03).name == "AMBIGUOUS"
+    assert verdict.judge(108.0, 0.06, 10, 100.0, 0.06, 10).name == "AMBIGUOUS"
 
 
 def test_within_the_floor_is_same_however_noisy():
-    assert verdict.judge(100.0 * (1 + verdict.FLOOR * 0.9), 0.5, 100.0, 0.5).name == "SAME"
+    assert verdict.judge(100.0 * (1 + verdict.FLOOR * 0.9), 0.5, 10, 100.0, 0.5, 10).name == "SAME"
 
 
 def test_worst_of_two_signals_decides():
-    same, slower = verdict.judge(100, 0.001, 100, 0.001), verdict.judge(120, 0.001, 100, 0.001)
+    same, slower = verdict.judge(100, 0.001, 50, 100, 0.001, 50), verdict.judge(120, 0.001, 50, 100, 0.001, 50)
     assert verdict.worst(same, slower).name == "SLOWER"
 
 

@@ -134,7 +134,7 @@ class ColdL2Timer:
             self.blocker,
             1,
             32,
-            launcher.StreamRef(stream.cuda_stream),
+            stream.cuda_stream,
             (
                 launcher.pointer(self.flag.data_ptr()),
                 launcher.pointer(self.timed_out.data_ptr()),

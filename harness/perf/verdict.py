@@ -1,7 +1,8 @@
 """Per-GPU-model baselines and the noise-aware regression verdict.
 
-A run and its baseline each give a median and a relative noise (stdev / mean of the kept
-samples). Each median gets an interval of ``Z`` noises either side. The verdict:
+A run and its baseline each give a median, a relative noise (stdev / mean of the kept samples)
+and a sample count. Each median gets an interval of ``Z`` standard errors either side
+(noise / sqrt(samples), times 1.25 for a median). The verdict:
 
     SAME       |delta| <= FLOOR: inside the run-to-run variation we measured on unchanged code
     SLOWER     slower by more than FLOOR and the two intervals do not overlap
@@ -43,15 +44,23 @@ class Verdict:
         return self.name
 
 
-def judge(current: float, current_noise: float, baseline: float, baseline_noise: float) -> Verdict:
-    """Compare two medians (any unit, smaller is better) given their relative noises."""
+def _half_width(noise: float, samples: int) -> float:
+    """Relative half-width of a median's interval: Z standard errors (1.25 x noise / sqrt(n))."""
+    if not math.isfinite(noise) or samples < 2:
+        return 1.0
+    return Z * 1.25 * noise / math.sqrt(samples)
+
+
+def judge(
+    current: float, current_noise: float, current_n: int, baseline: float, baseline_noise: float, baseline_n: int
+) -> Verdict:
+    """Compare two medians (any unit, smaller is better) given their relative noises and counts."""
     delta = (current - baseline) / baseline
     if abs(delta) <= FLOOR:
         return Verdict("SAME", delta)
-    cur_noise = current_noise if math.isfinite(current_noise) else 1.0
-    base_noise = baseline_noise if math.isfinite(baseline_noise) else 1.0
-    cur_lo, cur_hi = current * (1 - Z * cur_noise), current * (1 + Z * cur_noise)
-    base_lo, base_hi = baseline * (1 - Z * base_noise), baseline * (1 + Z * base_noise)
+    cur_w, base_w = _half_width(current_noise, current_n), _half_width(baseline_noise, baseline_n)
+    cur_lo, cur_hi = current * (1 - cur_w), current * (1 + cur_w)
+    base_lo, base_hi = baseline * (1 - base_w), baseline * (1 + base_w)
     if cur_lo > base_hi:
         return Verdict("SLOWER", delta)
     if cur_hi < base_lo:

@@ -131,8 +131,13 @@ def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baselin
         for attempt in range(MAX_REMEASURE + 1):
             ratio = ours_m.median_s / kern_m.median_s
             ratio_noise = math.hypot(ours_m.noise, kern_m.noise)
-            v_time = verdict.judge(ours_m.median_s * 1e6, ours_m.noise, base["median_us"], base["noise"])
-            v_ratio = verdict.judge(ratio, ratio_noise, base["ratio_bnb_kernel"], base["ratio_noise"])
+            n_ours, n_ratio = len(ours_m.samples_s), min(len(ours_m.samples_s), len(kern_m.samples_s))
+            v_time = verdict.judge(
+                ours_m.median_s * 1e6, ours_m.noise, n_ours, base["median_us"], base["noise"], base["samples"]
+            )
+            v_ratio = verdict.judge(
+                ratio, ratio_noise, n_ratio, base["ratio_bnb_kernel"], base["ratio_noise"], base["ratio_samples"]
+            )
             result_verdict = verdict.worst(v_time, v_ratio)
             if result_verdict.name != "AMBIGUOUS" or attempt == MAX_REMEASURE:
                 break
@@ -159,12 +164,14 @@ def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baselin
         "baseline_us": base_us,
         "delta": delta,
         "verdict": str(result_verdict) if result_verdict else "recorded",
+        "ratio_delta": v_ratio.delta if result_verdict else None,
         "baseline_record": {
             "median_us": ours_m.median_s * 1e6,
             "noise": ours_m.noise,
             "gbps": gbps,
             "ratio_bnb_kernel": ours_m.median_s / kern_m.median_s,
             "ratio_noise": math.hypot(ours_m.noise, kern_m.noise),
+            "ratio_samples": min(len(ours_m.samples_s), len(kern_m.samples_s)),
             "x_bnb_full": full_m.median_s / ours_m.median_s,
             "samples": len(ours_m.samples_s),
         },
