@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,10 @@ FLOOR = 0.03
 # Interval half-width in units of the relative noise.
 Z = 3.0
 
-BASELINE_DIR = Path(__file__).resolve().parent.parent.parent / "baselines"
+# CI points this at the base branch's baselines/ so a pull request cannot lower its own bar.
+BASELINE_DIR = Path(
+    os.environ.get("NF4_HARNESS_BASELINE_DIR", Path(__file__).resolve().parent.parent.parent / "baselines")
+)
 SAVE_COMMAND = "nox -s perf -- --save-baseline"
 
 
