@@ -83,6 +83,12 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _has_gpu():
+        from harness.perf.gpu_info import gpu_identity
+
+        nvml = gpu_identity().get("nvml")
+        if nvml != "ok":
+            terminalreporter.write_line(f"NVML: {nvml} (no GPU identity to record on this machine)")
     if _counts["gpu_not_run"]:
         terminalreporter.write_line(
             f"GPU: {_counts['gpu_not_run']} GPU tests not run (no CUDA GPU visible); "
