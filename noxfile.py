@@ -113,7 +113,7 @@ def compile(session: nox.Session) -> None:
 @nox.session(venv_params=["--system-site-packages"])
 def correctness(session: nox.Session) -> None:
     """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible."""
-    _install(session, "test", torch=True)
+    _install(session, "test", "perf", torch=True)  # perf: the CPU tests of the perf gate's logic
     args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     gpus = gpu_count()
     if not gpus:
