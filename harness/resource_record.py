@@ -10,22 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from harness import jit, launcher
+from harness.perf.gpu_info import installed_version
 from harness.variants import all_variants
 
 DEFAULT_RECORD = Path(__file__).resolve().parent.parent / "baselines" / "ptxas-resources.json"
 FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "shared_bytes")
 UPDATE_COMMAND = "nox -s compile -- --update"
-
-
-def _wheel_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def measure() -> dict:
@@ -39,7 +32,7 @@ def measure() -> dict:
             kernels[f"{variant.name}@{arch}"] = {f: res[f] for f in FIELDS}
     return {
         "nvrtc": jit.nvrtc_version(),
-        "nvidia_cuda_nvrtc_wheel": _wheel_version("nvidia-cuda-nvrtc"),
+        "nvidia_cuda_nvrtc_wheel": installed_version("nvidia-cuda-nvrtc"),
         "options": list(jit.DEFAULT_OPTIONS),
         "kernels": kernels,
     }

@@ -8,7 +8,8 @@ import re
 from importlib import metadata
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """Version of an installed distribution, or None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -16,7 +17,10 @@ def _version(dist: str) -> str | None:
 
 
 def software_versions() -> dict:
-    info = {name: _version(name) for name in ("torch", "bitsandbytes", "cuda-core", "cuda-bindings", "nvidia-ml-py")}
+    info = {
+        name: installed_version(name)
+        for name in ("torch", "bitsandbytes", "cuda-core", "cuda-bindings", "nvidia-ml-py")
+    }
     try:
         from harness.jit import nvrtc_version
 
