@@ -1,5 +1,6 @@
 """The noxfile: every session listed with help, GPU detection and the offline (--no-venv) path."""
 
+import os
 import re
 import subprocess
 import sys
@@ -56,3 +57,16 @@ def test_no_venv_correctness_runs_in_this_interpreter_installing_nothing():
     assert done.returncode == 0, done.stdout + done.stderr
     output = done.stdout + done.stderr
     assert "installing nothing" in output and "tests collected" in output
+
+
+def test_xdist_workers_are_pinned_one_gpu_each(monkeypatch):
+    from tests.conftest import _pin_xdist_worker_to_gpu
+
+    monkeypatch.setenv("NF4_HARNESS_WORKER_GPUS", "0,1")
+    seen = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        _pin_xdist_worker_to_gpu()
+        seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["0", "1", "0"]
