@@ -22,13 +22,13 @@ def device_arch(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+def source_spec(source: str, arch: str, macros: tuple[tuple[str, str], ...], label: str) -> jit.CompileSpec:
+    """The compile spec of ``kernels/<source>`` for one arch."""
+    return jit.CompileSpec(source=jit.kernels_dir() / source, arch=arch, macros=macros, label=label)
+
+
 def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
-    return jit.CompileSpec(
-        source=jit.kernels_dir() / SOURCE,
-        arch=arch,
-        macros=variant.macros(),
-        label=variant.name,
-    )
+    return source_spec(SOURCE, arch, variant.macros(), variant.name)
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,18 @@ class LoadedKernel:
 
 _lock = threading.Lock()
 _loaded: dict[tuple, LoadedKernel] = {}
+_by_variant: dict[tuple[KernelVariant, int], LoadedKernel] = {}
 
 
 def load(variant: KernelVariant, device_index: int) -> LoadedKernel:
-    """Compile (through the cache) and load ``variant`` for one GPU; memoised per process."""
-    return load_source(variant.name, SOURCE, ENTRY, device_index, variant.macros(), variant)
+    """Compile (through the cache) and load ``variant`` for one GPU; memoised per process.
+
+    Called on every launch, so a hit is one dict lookup (no name or macro formatting).
+    """
+    if (hit := _by_variant.get((variant, device_index))) is None:
+        hit = load_source(variant.name, SOURCE, ENTRY, device_index, variant.macros(), variant)
+        _by_variant[(variant, device_index)] = hit
+    return hit
 
 
 def load_source(
@@ -70,8 +77,7 @@ def load_source(
         device = Device(device_index)
         device.set_current()  # the primary context, which PyTorch uses too
         arch = device_arch(device_index)
-        spec = jit.CompileSpec(source=jit.kernels_dir() / source, arch=arch, macros=macros, label=label)
-        compiled = jit.compile_kernel(spec)
+        compiled = jit.compile_kernel(source_spec(source, arch, macros, label))
         kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
         loaded = LoadedKernel(
             variant, device_index, arch, kernel, tuple(compiled.resources), device.properties.multiprocessor_count
