@@ -16,9 +16,20 @@ _QUANT_CODE = {"nf4": 0, "fp4": 1}
 
 SOURCE = "dequantize_4bit.cu"
 ENTRY = "dequantize_4bit_kernel"
+# The entry point's parameters, in order, as launcher.launch packs them:
+# A, absmax, code2, absmax2, offset_ptr, offset_value, out, n, bs_log2, bs2_log2, vectorized.
+KERNEL_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32")
 # A deliberately slower build (one extra pass over the packed input, about +20% bytes for fp16
 # output) used to prove the perf gate catches a regression: NF4_HARNESS_EXTRA_READ=1.
 EXTRA_READ_ENV = "NF4_HARNESS_EXTRA_READ"
+
+# Tilings (threads per block, chunks per thread), picked by tensor size. Both tiles are 1024
+# chunks; measured on an H100 (kernels/NOTES.md): 512 x 2 is fastest on large weights, 256 x 4
+# on small ones, where fewer, fuller warps per block win. The crossover sits between 8M and 22M
+# elements.
+LARGE_TILING = (512, 2)
+SMALL_TILING = (256, 4)
+LARGE_MIN_ELEMENTS = 16 << 20
 
 
 def extra_read_requested() -> bool:
@@ -32,8 +43,8 @@ class KernelVariant:
     quant_type: str
     out_dtype: str
     nested: bool
-    threads: int = 256
-    unroll: int = 4
+    threads: int = SMALL_TILING[0]
+    unroll: int = SMALL_TILING[1]
     extra_read: bool = False
 
     def __post_init__(self):
@@ -45,6 +56,11 @@ class KernelVariant:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {self.threads}")
         if not 1 <= self.unroll <= 16:
             raise ValueError(f"unroll must be in [1, 16], got {self.unroll}")
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements one thread writes with one 16-byte store (the kernel's CHUNK)."""
+        return 4 if self.out_dtype == "fp32" else 8
 
     @property
     def name(self) -> str:
@@ -63,6 +79,15 @@ class KernelVariant:
         )
 
 
+def tiling_for(numel: int) -> tuple[int, int]:
+    """(threads, unroll) the drop-in API launches for a tensor of ``numel`` elements."""
+    return LARGE_TILING if numel >= LARGE_MIN_ELEMENTS else SMALL_TILING
+
+
 def all_variants() -> list[KernelVariant]:
     """Every entry point the drop-in API can launch."""
-    return [KernelVariant(q, d, n) for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))]
+    return [
+        KernelVariant(q, d, n, threads=t, unroll=u)
+        for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))
+        for t, u in (SMALL_TILING, LARGE_TILING)
+    ]

@@ -11,15 +11,21 @@
 //
 // Following arXiv 2604.02556 the 16-entry code table is staged once per thread block in shared
 // memory (64 bytes) and indexed directly by the nibble; the nested path stages its 256-entry
-// code table the same way (1 KiB).
+// code table the same way (1 KiB). kernels/NOTES.md records what each design choice bought.
+//
+// Work unit: a "chunk" is the elements one thread writes with one 16-byte store (8 for fp16/bf16,
+// 4 for fp32), read from 4 or 2 packed bytes. Lane i of a warp owns chunk base + i, so every
+// load and every store instruction of a warp covers one contiguous span (128 B / 64 B in,
+// 512 B out): whole 32-byte sectors, no partial-sector writes.
 //
 // One compiled module per variant; the host compiles with these macros:
-//   DQ_OUT     0 = fp16, 1 = bf16, 2 = fp32
-//   DQ_QUANT   0 = nf4,  1 = fp4
-//   DQ_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
-//   DQ_THREADS threads per block
-//   DQ_UNROLL  independent 8-element chunks in flight per thread
-//   DQ_EXTRA_READ  1 = read the packed input twice (a deliberately slower build for the perf gate)
+//   DQ_OUT        0 = fp16, 1 = bf16, 2 = fp32
+//   DQ_QUANT      0 = nf4,  1 = fp4
+//   DQ_NESTED     0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
+//   DQ_THREADS    threads per block
+//   DQ_UNROLL     independent chunks in flight per thread (a block's tile is DQ_THREADS * DQ_UNROLL)
+//   DQ_EXTRA_READ 1 = read the packed input twice (a deliberately slower build for the perf gate)
+// The host launches one tile per block; the loop below also covers a capped grid.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -43,30 +49,32 @@ typedef float out_t;
 #error "unknown DQ_OUT"
 #endif
 
+#if DQ_OUT == 2
+typedef unsigned short in_t;  // 4 codes -> 4 fp32 = one 16-byte store
+#define CHUNK_LOG2 2
+#else
+typedef u32 in_t;  // 8 codes -> 8 fp16/bf16 = one 16-byte store
+#define CHUNK_LOG2 3
+#endif
+#define CHUNK (1 << CHUNK_LOG2)
+
 // IEEE-754 bit patterns of bitsandbytes' CUDA code tables (csrc/kernels.cu). Bits, not decimal
 // literals, so no compiler can round them differently. FP4 index 8 is -0.0: the CUDA kernel
-// computes 0 * sign with sign = -1 there.
+// computes 0 * sign with sign = -1 there. Written to shared memory as immediates: staging the
+// table reads no memory, so it adds no latency before the first decode.
 #if DQ_QUANT == 0
-__constant__ u32 kCodeBits[16] = {
-    0xbf800000u, 0xbf3239b1u, 0xbf066b30u, 0xbeca32a0u, 0xbe91a24du, 0xbe3d353fu, 0xbdba7871u, 0x00000000u,
-    0x3da2faffu, 0x3e24cae3u, 0x3e7c04ddu, 0x3ead033au, 0x3ee1a4b8u, 0x3f1007abu, 0x3f3913b3u, 0x3f800000u};
+#define CODE_0_3 0xbf800000u, 0xbf3239b1u, 0xbf066b30u, 0xbeca32a0u
+#define CODE_4_7 0xbe91a24du, 0xbe3d353fu, 0xbdba7871u, 0x00000000u
+#define CODE_8_11 0x3da2faffu, 0x3e24cae3u, 0x3e7c04ddu, 0x3ead033au
+#define CODE_12_15 0x3ee1a4b8u, 0x3f1007abu, 0x3f3913b3u, 0x3f800000u
 #elif DQ_QUANT == 1
-__constant__ u32 kCodeBits[16] = {
-    0x00000000u, 0x3baaaaabu, 0x3f2aaaabu, 0x3f800000u, 0x3eaaaaabu, 0x3f000000u, 0x3e2aaaabu, 0x3e800000u,
-    0x80000000u, 0xbbaaaaabu, 0xbf2aaaabu, 0xbf800000u, 0xbeaaaaabu, 0xbf000000u, 0xbe2aaaabu, 0xbe800000u};
+#define CODE_0_3 0x00000000u, 0x3baaaaabu, 0x3f2aaaabu, 0x3f800000u
+#define CODE_4_7 0x3eaaaaabu, 0x3f000000u, 0x3e2aaaabu, 0x3e800000u
+#define CODE_8_11 0x80000000u, 0xbbaaaaabu, 0xbf2aaaabu, 0xbf800000u
+#define CODE_12_15 0xbeaaaaabu, 0xbf000000u, 0xbe2aaaabu, 0xbe800000u
 #else
 #error "unknown DQ_QUANT"
 #endif
-
-struct Scales {
-    const void* __restrict__ absmax;      // fp32[nblocks], or uint8[nblocks] codes when nested
-    const float* __restrict__ code2;      // nested: 256-entry fp32 table (staged in shared memory)
-    const float* __restrict__ absmax2;    // nested: fp32 per BS2 blocks
-    const float* __restrict__ offset_ptr; // nested: device scalar, or null to use offset_value
-    float offset_value;
-    int bs_log2;
-    int bs2_log2;
-};
 
 // fp32 multiply, round-to-nearest-even, subnormal inputs and result flushed to signed zero.
 __device__ __forceinline__ float mul_ftz(float a, float b) {
@@ -75,18 +83,6 @@ __device__ __forceinline__ float mul_ftz(float a, float b) {
     return r;
 }
 
-__device__ __forceinline__ float block_scale(const Scales& s, const float* s_code2, float offset, i64 block) {
-#if DQ_NESTED
-    const unsigned char q = __ldg(static_cast<const unsigned char*>(s.absmax) + block);
-    // Two separately rounded fp32 ops, never contracted into an FMA: bitsandbytes does the
-    // multiply in its 8-bit dequantize kernel and the add as a separate torch op.
-    return __fadd_rn(mul_ftz(s_code2[q], __ldg(s.absmax2 + (block >> s.bs2_log2))), offset);
-#else
-    (void)s_code2;
-    (void)offset;
-    return __ldg(static_cast<const float*>(s.absmax) + block);
-#endif
-}
 
 __device__ __forceinline__ out_t to_out(float v) {
 #if DQ_OUT == 0
@@ -98,34 +94,105 @@ __device__ __forceinline__ out_t to_out(float v) {
 #endif
 }
 
+// Two outputs (element 2j at the lower address) as one 32-bit word, each rounded to nearest even.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
 #if DQ_OUT == 0
-__device__ __forceinline__ unsigned short out_bits(__half h) { return __half_as_ushort(h); }
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&h);
 #elif DQ_OUT == 1
-__device__ __forceinline__ unsigned short out_bits(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&h);
+#else
+    (void)hi;
+    return __float_as_uint(lo);
 #endif
+}
 
-// Eight outputs from four packed bytes (little-endian word: byte k holds elements 2k, 2k+1).
-__device__ __forceinline__ void decode8(u32 word, float scale, const float* s_code, float v[8]) {
+// The raw scale inputs of one chunk, loaded before the tables are staged; decoded afterwards.
+struct ScaleRaw {
+#if DQ_NESTED
+    unsigned char q;  // absmax code
+    float absmax2;
+#else
+    float absmax;
+#endif
+};
+
+struct Tables {
+    const float* code;   // 16 entries
+    const float* code2;  // 256 entries, nested only
+    float offset;
+};
+
+__device__ __forceinline__ ScaleRaw load_scale(const void* absmax, const float* absmax2, i64 block, int bs2_log2) {
+    ScaleRaw r;
+#if DQ_NESTED
+    r.q = __ldg(static_cast<const unsigned char*>(absmax) + block);
+    r.absmax2 = __ldg(absmax2 + (block >> bs2_log2));
+#else
+    (void)absmax2;
+    (void)bs2_log2;
+    r.absmax = __ldg(static_cast<const float*>(absmax) + block);
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float decode_scale(const ScaleRaw& r, const Tables& t) {
+#if DQ_NESTED
+    // Two separately rounded fp32 ops, never contracted into an FMA: bitsandbytes does the
+    // multiply in its 8-bit dequantize kernel and the add as a separate torch op.
+    return __fadd_rn(mul_ftz(t.code2[r.q], r.absmax2), t.offset);
+#else
+    (void)t;
+    return r.absmax;
+#endif
+}
+
+// One chunk: CHUNK outputs from CHUNK / 2 packed bytes (little-endian: byte k holds 2k, 2k+1).
+__device__ __forceinline__ uint4 decode_chunk(in_t word, float scale, const Tables& t) {
+    float v[CHUNK];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 byte = (word >> (8 * k)) & 0xffu;
-        v[2 * k] = mul_ftz(s_code[byte >> 4], scale);
-        v[2 * k + 1] = mul_ftz(s_code[byte & 0xfu], scale);
+    for (int k = 0; k < CHUNK / 2; ++k) {
+        const u32 byte = ((u32)word >> (8 * k)) & 0xffu;
+        // Two lookups in the 16-entry table: lanes reading the same entry broadcast, different
+        // entries sit in different banks, so this never bank-conflicts (a 256-entry pair table
+        // does, and measured no faster: NOTES.md).
+        v[2 * k] = mul_ftz(t.code[byte >> 4], scale);
+        v[2 * k + 1] = mul_ftz(t.code[byte & 0xfu], scale);
+    }
+#if DQ_OUT == 2
+    return make_uint4(pack2(v[0], 0.f), pack2(v[1], 0.f), pack2(v[2], 0.f), pack2(v[3], 0.f));
+#else
+    return make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+#endif
+}
+
+struct Tile {
+    in_t word[DQ_UNROLL];
+    ScaleRaw scale[DQ_UNROLL];
+};
+
+// Chunks base, base + DQ_THREADS, ... (DQ_UNROLL of them): all loads issued before any is used.
+__device__ __forceinline__ void load_tile(Tile& tile, const in_t* __restrict__ A, const void* absmax,
+                                          const float* absmax2, i64 base, i64 chunks, int bs_log2, int bs2_log2) {
+#pragma unroll
+    for (int u = 0; u < DQ_UNROLL; ++u) {
+        const i64 c = base + (i64)u * DQ_THREADS;
+        if (c < chunks) {
+            tile.word[u] = __ldcs(A + c);  // read once: streaming
+            tile.scale[u] = load_scale(absmax, absmax2, (c << CHUNK_LOG2) >> bs_log2, bs2_log2);
+        }
     }
 }
 
-// 16-byte stores of eight outputs; out + 8 * chunk is 16-byte aligned on this path.
-__device__ __forceinline__ void store8(out_t* out, i64 chunk, const float v[8]) {
-#if DQ_OUT == 2
-    float4* dst = reinterpret_cast<float4*>(out) + 2 * chunk;
-    __stcs(dst, make_float4(v[0], v[1], v[2], v[3]));
-    __stcs(dst + 1, make_float4(v[4], v[5], v[6], v[7]));
-#else
-    u32 w[4];
+__device__ __forceinline__ void store_tile(const Tile& tile, uint4* __restrict__ out, i64 base, i64 chunks,
+                                           const Tables& t) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = (u32)out_bits(to_out(v[2 * j])) | ((u32)out_bits(to_out(v[2 * j + 1])) << 16);
-    __stcs(reinterpret_cast<uint4*>(out) + chunk, make_uint4(w[0], w[1], w[2], w[3]));
-#endif
+    for (int u = 0; u < DQ_UNROLL; ++u) {
+        const i64 c = base + (i64)u * DQ_THREADS;
+        // A plain write-back store: measured ~2% faster than st.cs on large outputs (NOTES.md).
+        if (c < chunks) out[c] = decode_chunk(tile.word[u], decode_scale(tile.scale[u], t), t);
+    }
 }
 
 // Scalars and pointers are flat parameters so any launcher can pass them without a struct layout.
@@ -133,67 +200,71 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(
     const unsigned char* __restrict__ A, const void* __restrict__ absmax, const float* __restrict__ code2,
     const float* __restrict__ absmax2, const float* __restrict__ offset_ptr, float offset_value,
     out_t* __restrict__ out, i64 n, int bs_log2, int bs2_log2, int vectorized) {
-    const Scales s = {absmax, code2, absmax2, offset_ptr, offset_value, bs_log2, bs2_log2};
-    __shared__ float s_code[16];
+    __shared__ __align__(16) float s_code[16];
 #if DQ_NESTED
     __shared__ float s_code2[256];
-    for (int i = threadIdx.x; i < 256; i += DQ_THREADS) s_code2[i] = __ldg(s.code2 + i);
-    const float offset = s.offset_ptr ? __ldg(s.offset_ptr) : s.offset_value;
-#else
-    const float* s_code2 = nullptr;
-    const float offset = 0.0f;
 #endif
-    if (threadIdx.x < 16) s_code[threadIdx.x] = __uint_as_float(kCodeBits[threadIdx.x]);
-    __syncthreads();
 
-    const i64 stride_threads = (i64)gridDim.x * DQ_THREADS;
-    i64 scalar_begin = 0;
+    // Vectorized path: chunk c is CHUNK elements at out + CHUNK * c (16-byte aligned, checked by
+    // the host). The smallest block size is 32 elements, so a chunk never straddles two blocks.
+    const i64 chunks = vectorized ? (n >> CHUNK_LOG2) : 0;
+    const in_t* __restrict__ Ain = reinterpret_cast<const in_t*>(A);
+    uint4* __restrict__ out16 = reinterpret_cast<uint4*>(out);
+    const i64 tile_chunks = (i64)DQ_THREADS * DQ_UNROLL;
+    const i64 step = (i64)gridDim.x * tile_chunks;
+    i64 base = (i64)blockIdx.x * tile_chunks + threadIdx.x;
+
+    // The first tile's loads go out before the tables are staged, so their latency overlaps the
+    // staging (which, nested, is itself a global read) instead of following it.
+    Tile cur;
+    load_tile(cur, Ain, absmax, absmax2, base, chunks, bs_log2, bs2_log2);
+
+    Tables t;
+    t.code = s_code;
+    t.code2 = nullptr;
+    t.offset = 0.0f;
+    if (threadIdx.x == 0) {
+        uint4* d = reinterpret_cast<uint4*>(s_code);
+        d[0] = make_uint4(CODE_0_3);
+        d[1] = make_uint4(CODE_4_7);
+        d[2] = make_uint4(CODE_8_11);
+        d[3] = make_uint4(CODE_12_15);
+    }
+#if DQ_NESTED
+    for (int i = threadIdx.x; i < 256; i += DQ_THREADS) s_code2[i] = __ldg(code2 + i);
+    t.code2 = s_code2;
+    t.offset = offset_ptr ? __ldg(offset_ptr) : offset_value;
+#else
+    (void)code2;
+    (void)offset_ptr;
+    (void)offset_value;
+#endif
+    __syncthreads();
 
 #if DQ_EXTRA_READ
     {
         // One more pass over the packed bytes; the result only guards a store that never happens.
         u32 acc = 0;
-        for (i64 i = (i64)blockIdx.x * DQ_THREADS + threadIdx.x; i < ((n + 1) >> 1); i += stride_threads)
+        for (i64 i = (i64)blockIdx.x * DQ_THREADS + threadIdx.x; i < ((n + 1) >> 1); i += (i64)gridDim.x * DQ_THREADS)
             acc += __ldcs(A + i);
         if (acc == 0xffffffffu) out[0] = to_out(0.0f);
     }
 #endif
 
-    if (vectorized) {
-        // Chunks of 8 elements (4 input bytes, 16 or 32 output bytes). The smallest block size
-        // is 32 elements, so a chunk never straddles two quantization blocks.
-        const i64 chunks = n >> 3;
-        const u32* __restrict__ A32 = reinterpret_cast<const u32*>(A);
-        const i64 step = stride_threads * DQ_UNROLL;
-        for (i64 base = (i64)blockIdx.x * DQ_THREADS * DQ_UNROLL + threadIdx.x; base < chunks; base += step) {
-            u32 word[DQ_UNROLL];
-            float scale[DQ_UNROLL];
-#pragma unroll
-            for (int u = 0; u < DQ_UNROLL; ++u) {
-                const i64 c = base + (i64)u * DQ_THREADS;
-                if (c < chunks) {
-                    word[u] = __ldcs(A32 + c);
-                    scale[u] = block_scale(s, s_code2, offset, (c << 3) >> s.bs_log2);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < DQ_UNROLL; ++u) {
-                const i64 c = base + (i64)u * DQ_THREADS;
-                if (c < chunks) {
-                    float v[8];
-                    decode8(word[u], scale[u], s_code, v);
-                    store8(out, c, v);
-                }
-            }
-        }
-        scalar_begin = chunks << 3;
+    // Software-pipelined: the next tile's loads are in flight while this one is decoded.
+    for (; base < chunks; base += step) {
+        Tile next;
+        load_tile(next, Ain, absmax, absmax2, base + step, chunks, bs_log2, bs2_log2);
+        store_tile(cur, out16, base, chunks, t);
+        cur = next;
     }
 
-    // Scalar path: the whole tensor when pointers are misaligned, else the last n % 8 elements.
-    for (i64 e = scalar_begin + (i64)blockIdx.x * DQ_THREADS + threadIdx.x; e < n; e += stride_threads) {
+    // Scalar path: the whole tensor when pointers are misaligned, else the last n % CHUNK elements.
+    const i64 stride_threads = (i64)gridDim.x * DQ_THREADS;
+    for (i64 e = (chunks << CHUNK_LOG2) + (i64)blockIdx.x * DQ_THREADS + threadIdx.x; e < n; e += stride_threads) {
         const unsigned char byte = __ldg(A + (e >> 1));
         const u32 nib = (e & 1) ? (byte & 0xfu) : (byte >> 4);
-        const float scale = block_scale(s, s_code2, offset, e >> s.bs_log2);
+        const float scale = decode_scale(load_scale(absmax, absmax2, e >> bs_log2, bs2_log2), t);
         out[e] = to_out(mul_ftz(s_code[nib], scale));
     }
 }
