@@ -9,29 +9,34 @@ bitsandbytes would silently read out of bounds or reinterpret memory for the inp
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 from harness import launcher
 from harness.errors import DequantizeInputError
-from harness.variants import BLOCKSIZES, KernelVariant, extra_read_requested
+from harness.variants import BLOCKSIZES, KERNEL_PARAMS, KernelVariant, extra_read_requested, tiling_for
 
 _OUT_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_NULL = np.uint64(0)
 _EXTRA_READ = extra_read_requested()  # the perf gate's deliberately slower build, read once
+# PyTorch's raw current-stream handle without building a Stream object (what Triton's launcher
+# uses); the public call is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current device without torch.cuda.current_device()'s lazy-init check (CUDA is initialised
+# by the time a CUDA tensor exists); the public call is the fallback.
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _fail(msg: str):
     raise DequantizeInputError(msg)
 
 
-def _check_tensor(name: str, t: Any, device: torch.device, dtype: torch.dtype, numel: int | None) -> None:
+def _check_tensor(name: str, t: Any, device_index: int, dtype: torch.dtype, numel: int | None) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device}, but A is on {device}; all tensors must be on the same GPU")
+    if t.get_device() != device_index:
+        _fail(f"{name} is on {t.device}, but A is on cuda:{device_index}; all tensors must be on the same GPU")
     if t.dtype != dtype:
         _fail(f"{name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
@@ -40,20 +45,20 @@ def _check_tensor(name: str, t: Any, device: torch.device, dtype: torch.dtype, n
         _fail(f"{name} must hold {numel} elements for this shape and block size, got {t.numel()}")
 
 
-def _offset_args(offset: Any, device: torch.device) -> tuple[np.uint64, np.float32]:
+def _offset_args(offset: Any, device_index: int) -> tuple[int, float]:
     """The nested offset as (device pointer, value): a device tensor is read by the kernel (no sync)."""
     if isinstance(offset, torch.Tensor):
         if offset.numel() != 1:
             _fail(f"quant_state.offset must hold one value, got {offset.numel()}")
-        if offset.device.type == "cuda":
-            if offset.device != device:
-                _fail(f"quant_state.offset is on {offset.device}, but A is on {device}")
+        if offset.is_cuda:
+            if offset.get_device() != device_index:
+                _fail(f"quant_state.offset is on {offset.device}, but A is on cuda:{device_index}")
             if offset.dtype != torch.float32:
                 offset = offset.float()  # exact for fp16/bf16; torch rounds wider types to fp32 too
-            return launcher.pointer(offset.data_ptr()), np.float32(0)
-        return _NULL, np.float32(offset.item())
+            return offset.data_ptr(), 0.0
+        return 0, float(offset.item())
     if isinstance(offset, (int, float)):
-        return _NULL, np.float32(offset)
+        return 0, float(offset)
     _fail(f"nested quant_state needs a numeric offset, got {type(offset).__name__}")
 
 
@@ -88,14 +93,15 @@ def dequantize_4bit(
     # Same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"invalid blocksize {blocksize}")
-    if quant_type not in ("nf4", "fp4"):
+    if quant_type != "nf4" and quant_type != "fp4":
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
-    if dtype not in _OUT_NAME:
+    out_name = _OUT_NAME.get(dtype)
+    if out_name is None:
         raise ValueError(f"Blockwise 4bit dequantization only supports 16/32-bit floats, but got {dtype}")
 
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
-    if A.device.type != "cuda":
+    if not A.is_cuda:
         _fail(f"A must be on a CUDA device, got {A.device}")
     if A.dtype != torch.uint8:
         _fail(
@@ -105,9 +111,10 @@ def dequantize_4bit(
         _fail("A must have at least one dimension")
     if not A.is_contiguous():
         _fail("A must be contiguous")
-    device = A.device
+    device_index = A.get_device()
 
-    shape = torch.Size(shape)
+    if type(shape) is not torch.Size:
+        shape = torch.Size(shape)
     n = math.prod(shape)
     if A.numel() < (n + 1) // 2:
         _fail(f"A holds {A.numel()} bytes but shape {tuple(shape)} needs {(n + 1) // 2}")
@@ -116,22 +123,23 @@ def dequantize_4bit(
     if nested:
         if state2 is None:
             _fail("quant_state.nested is set but quant_state.state2 is None")
-        _check_tensor("quant_state.absmax (nested codes)", absmax, device, torch.uint8, nblocks)
+        _check_tensor("quant_state.absmax (nested codes)", absmax, device_index, torch.uint8, nblocks)
         bs2 = getattr(state2, "blocksize", None)
         if not isinstance(bs2, int) or bs2 <= 0 or bs2 & (bs2 - 1):
             _fail(f"quant_state.state2.blocksize must be a positive power of two, got {bs2!r}")
         if getattr(state2, "dtype", torch.float32) != torch.float32:
             _fail(f"nested statistics must decode to float32 (state2.dtype), got {state2.dtype}")
-        _check_tensor("quant_state.state2.code", state2.code, device, torch.float32, 256)
-        _check_tensor("quant_state.state2.absmax", state2.absmax, device, torch.float32, -(-nblocks // bs2))
+        code2, absmax2 = state2.code, state2.absmax
+        _check_tensor("quant_state.state2.code", code2, device_index, torch.float32, 256)
+        _check_tensor("quant_state.state2.absmax", absmax2, device_index, torch.float32, -(-nblocks // bs2))
         if offset is None:
             _fail("nested quant_state has no offset")
-        offset_ptr, offset_value = _offset_args(offset, device)
+        offset_ptr, offset_value = _offset_args(offset, device_index)
     else:
-        _check_tensor("absmax", absmax, device, torch.float32, nblocks)
+        _check_tensor("absmax", absmax, device_index, torch.float32, nblocks)
 
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = A.new_empty(shape, dtype=dtype)
     else:
         if not isinstance(out, torch.Tensor):
             _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -139,23 +147,18 @@ def dequantize_4bit(
             raise DequantizeInputError(f"Expected out.shape == {tuple(shape)}, got {out.shape}")
         if out.dtype != dtype:
             raise DequantizeInputError(f"Expected out.dtype == {dtype}, got {out.dtype}")
-        _check_tensor("out", out, device, dtype, None)
+        _check_tensor("out", out, device_index, dtype, None)
 
     if n:
-        variant = KernelVariant(quant_type, _OUT_NAME[dtype], nested, extra_read=_EXTRA_READ)
         if nested:
-            scale_args = (
-                launcher.pointer(absmax.data_ptr()),
-                launcher.pointer(state2.code.data_ptr()),
-                launcher.pointer(state2.absmax.data_ptr()),
-                offset_ptr,
-                offset_value,
-            )
+            args = (A.data_ptr(), absmax.data_ptr(), code2.data_ptr(), absmax2.data_ptr(), offset_ptr, offset_value)
             bs2_log2 = bs2.bit_length() - 1
         else:
-            scale_args = (launcher.pointer(absmax.data_ptr()), _NULL, _NULL, _NULL, np.float32(0))
+            args = (A.data_ptr(), absmax.data_ptr(), 0, 0, 0, 0.0)
             bs2_log2 = 0
-        _launch(variant, A, out, n, blocksize.bit_length() - 1, bs2_log2, scale_args)
+        _launch(
+            quant_type, out_name, nested, device_index, args, out.data_ptr(), n, blocksize.bit_length() - 1, bs2_log2
+        )
 
     # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
     if A.shape[0] == 1:
@@ -163,27 +166,49 @@ def dequantize_4bit(
     return out
 
 
-def _launch(variant, A, out, n, bs_log2, bs2_log2, scale_args) -> None:
-    device_index = A.device.index if A.device.index is not None else torch.cuda.current_device()
-    loaded = launcher.load(variant, device_index)
-    vectorized = A.data_ptr() % 4 == 0 and out.data_ptr() % 16 == 0
-    per_block = variant.threads * (variant.unroll if vectorized else 1)
-    work = (n >> 3) if vectorized else n
-    grid = max(1, min(-(-work // per_block), loaded.sm_count * 16))
-    stream = torch.cuda.current_stream(A.device)
-    with torch.cuda.device(A.device):
-        launcher.launch(
-            loaded,
-            grid,
-            variant.threads,
-            stream.cuda_stream,
-            (
-                launcher.pointer(A.data_ptr()),
-                *scale_args,
-                launcher.pointer(out.data_ptr()),
-                np.int64(n),
-                np.int32(bs_log2),
-                np.int32(bs2_log2),
-                np.int32(1 if vectorized else 0),
-            ),
-        )
+_kernels: dict[tuple, tuple[launcher.LoadedKernel, int, int]] = {}
+_bound = threading.local()  # device indexes whose primary context this thread has made current
+
+
+def _kernel(quant_type: str, out_name: str, nested: bool, tiling: tuple[int, int], device_index: int):
+    """(loaded kernel, threads per block, elements per block tile) for one launch configuration."""
+    key = (quant_type, out_name, nested, tiling, device_index)
+    if (hit := _kernels.get(key)) is None:
+        threads, unroll = tiling
+        variant = KernelVariant(quant_type, out_name, nested, threads, unroll, extra_read=_EXTRA_READ)
+        loaded = launcher.load(variant, device_index)
+        hit = _kernels[key] = (loaded, threads, threads * unroll * variant.chunk_elems)
+    return hit
+
+
+def _launch(quant_type, out_name, nested, device_index, args, out_ptr, n, bs_log2, bs2_log2) -> None:
+    loaded, threads, tile_elems = _kernel(quant_type, out_name, nested, tiling_for(n), device_index)
+    chunk = 4 if out_name == "fp32" else 8
+    # 16-byte stores need a 16-byte aligned output; the packed loads need chunk / 2 bytes.
+    vectorized = args[0] % (chunk // 2) == 0 and out_ptr % 16 == 0
+    # One tile per block (measured fastest, NOTES.md); a misaligned call runs the scalar path,
+    # one element per thread.
+    grid = -(-n // tile_elems) if vectorized else -(-n // threads)
+    grid = max(1, min(grid, _MAX_GRID))
+    params = (*args, out_ptr, n, bs_log2, bs2_log2, 1 if vectorized else 0)
+    if device_index != _current_device():
+        with torch.cuda.device(device_index):
+            launcher.launch(loaded, grid, threads, _stream(device_index), KERNEL_PARAMS, params)
+        return
+    bound = getattr(_bound, "devices", None)
+    if bound is None or device_index not in bound:
+        # A thread that has not used CUDA yet may have no current context; PyTorch's device
+        # switch makes the primary context current (the same one the kernel was loaded into).
+        torch.cuda.set_device(device_index)
+        _bound.devices = (bound or frozenset()) | {device_index}
+    launcher.launch(loaded, grid, threads, _stream(device_index), KERNEL_PARAMS, params)
+
+
+# The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
+_MAX_GRID = (1 << 31) - 1
+
+
+def _stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream

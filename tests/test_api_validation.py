@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
@@ -184,15 +183,14 @@ def test_tensors_on_different_gpus_are_rejected(cuda, bnb, good, monkeypatch):
 
 @pytest.mark.gpu
 def test_failed_launch_names_the_cuda_error_and_context_survives(cuda, bnb, good):
-    from harness.variants import KernelVariant
+    from harness.variants import KERNEL_PARAMS, KernelVariant
 
     loaded = launcher.load(KernelVariant("nf4", "fp16", False), cuda.index)
-    args = (launcher.pointer(0),) * 5 + (np.float32(0), launcher.pointer(0))
-    args += (np.int64(0), np.int32(6), np.int32(0), np.int32(1))
+    args = (0, 0, 0, 0, 0, 0.0, 0, 0, 6, 0, 1)
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(KernelLaunchError) as info:
         # 4096 threads per block exceeds every GPU's limit: the driver refuses the launch.
-        launcher.launch(loaded, 1, 4096, stream, args)
+        launcher.launch(loaded, 1, 4096, stream, KERNEL_PARAMS, args)
     assert info.value.cuda_error.startswith("CUDA_ERROR_")
     assert info.value.cuda_error in str(info.value)
     torch.cuda.synchronize()

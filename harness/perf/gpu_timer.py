@@ -30,6 +30,7 @@ import torch
 from harness import launcher
 
 BLOCK_TIMEOUT_NS = 2_000_000_000  # a spin that is never released gives up after 2 s
+BLOCKER_PARAMS = ("ptr", "ptr", "u64")  # kernels/block_stream.cu: flag, timed_out, timeout_ns
 
 
 class State(enum.Enum):
@@ -135,11 +136,8 @@ class ColdL2Timer:
             1,
             32,
             stream.cuda_stream,
-            (
-                launcher.pointer(self.flag.data_ptr()),
-                launcher.pointer(self.timed_out.data_ptr()),
-                np.uint64(BLOCK_TIMEOUT_NS),
-            ),
+            BLOCKER_PARAMS,
+            (self.flag.data_ptr(), self.timed_out.data_ptr(), BLOCK_TIMEOUT_NS),
         )
 
     def sample(self, fn: Callable[[], object]) -> tuple[float, float | None]:

@@ -1,0 +1,96 @@
+"""The launch path's CPU-side pieces: argument packing, the kernel signature it packs for, and
+the size-based tiling choice. No GPU needed."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from harness import jit
+from harness.launcher import ArgPacker
+from harness.variants import (
+    KERNEL_PARAMS,
+    LARGE_MIN_ELEMENTS,
+    LARGE_TILING,
+    SMALL_TILING,
+    SOURCE,
+    all_variants,
+    tiling_for,
+)
+
+
+def _slot(packer: ArgPacker, i: int) -> bytes:
+    return packer._buf.tobytes()[8 * i : 8 * i + 8]
+
+
+def test_each_argument_lands_in_its_own_slot_little_endian():
+    kinds = ("ptr", "u64", "i64", "i32", "f32", "ptr")
+    packer = ArgPacker(kinds)
+    packer.pack((0x7F00_DEAD_BEEF, 2**64 - 1, -5, -7, 1.5, 0))
+    assert _slot(packer, 0) == (0x7F00_DEAD_BEEF).to_bytes(8, "little")
+    assert _slot(packer, 1) == b"\xff" * 8
+    assert _slot(packer, 2) == (-5).to_bytes(8, "little", signed=True)
+    assert _slot(packer, 3)[:4] == (-7).to_bytes(4, "little", signed=True)
+    assert _slot(packer, 4)[:4] == struct.pack("<f", 1.5)
+    assert _slot(packer, 5) == bytes(8)
+
+
+def test_params_array_points_at_the_slots():
+    packer = ArgPacker(KERNEL_PARAMS)
+    base = packer._buf.__array_interface__["data"][0]
+    slots = np.frombuffer(packer._slots.tobytes(), dtype=np.uint64)
+    assert packer.params == packer._slots.__array_interface__["data"][0]
+    assert slots.tolist() == [base + 8 * i for i in range(len(KERNEL_PARAMS))]
+
+
+def test_out_of_range_values_are_refused_not_truncated():
+    packer = ArgPacker(("i32",))
+    with pytest.raises(struct.error):
+        packer.pack((2**31,))
+
+
+_C_KIND = {
+    "i64": "i64",
+    "int": "i32",
+    "float": "f32",
+    "unsigned long long": "u64",
+}
+
+
+def _kinds_of(signature: str) -> tuple[str, ...]:
+    kinds = []
+    for param in signature.split(","):
+        param = re.sub(r"\b(const|__restrict__)\b", " ", param).strip()
+        ctype = " ".join(param.split()[:-1]).replace(" *", "*")
+        kinds.append("ptr" if "*" in param else _C_KIND[ctype])
+    return tuple(kinds)
+
+
+def test_kernel_params_match_the_kernel_signature():
+    source = (jit.kernels_dir() / SOURCE).read_text()
+    match = re.search(r"dequantize_4bit_kernel\(([^)]*)\)", source)
+    assert match, "entry point not found"
+    assert _kinds_of(match.group(1)) == KERNEL_PARAMS
+
+
+def test_blocker_params_match_the_blocker_signature():
+    from harness.perf.gpu_timer import BLOCKER_PARAMS
+
+    source = (jit.kernels_dir() / "block_stream.cu").read_text()
+    match = re.search(r"block_stream\(([^)]*)\)", source)
+    assert _kinds_of(match.group(1)) == BLOCKER_PARAMS
+
+
+def test_tiling_switches_at_the_measured_crossover():
+    assert tiling_for(0) == tiling_for(LARGE_MIN_ELEMENTS - 1) == SMALL_TILING
+    assert tiling_for(LARGE_MIN_ELEMENTS) == tiling_for(1 << 34) == LARGE_TILING
+    assert SMALL_TILING[0] * SMALL_TILING[1] == LARGE_TILING[0] * LARGE_TILING[1]  # same tile, NOTES.md
+
+
+def test_every_tiling_the_api_can_pick_is_a_compiled_variant():
+    tilings = {(v.threads, v.unroll) for v in all_variants()}
+    assert tilings == {SMALL_TILING, LARGE_TILING}
+    assert len({v.name for v in all_variants()}) == len(all_variants())
