@@ -27,6 +27,10 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
 def floats_from_bits(bits, device="cpu") -> torch.Tensor:
     signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
     return torch.tensor(signed, dtype=torch.int32, device=device).view(torch.float32)
