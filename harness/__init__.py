@@ -10,8 +10,13 @@ __all__ = [
     "KernelCompileError",
     "KernelLaunchError",
     "ToolchainMissingError",
+    "bitsandbytes_patched",
     "dequantize_4bit",
+    "patch_bitsandbytes",
+    "unpatch_bitsandbytes",
 ]
+
+_PATCH_NAMES = ("bitsandbytes_patched", "patch_bitsandbytes", "unpatch_bitsandbytes")
 
 
 def __getattr__(name):
@@ -19,4 +24,8 @@ def __getattr__(name):
         from harness.api import dequantize_4bit
 
         return dequantize_4bit
+    if name in _PATCH_NAMES:
+        from harness import patch
+
+        return getattr(patch, name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
