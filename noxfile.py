@@ -113,9 +113,10 @@ def compile(session: nox.Session) -> None:
 @nox.session(venv_params=["--system-site-packages"])
 def correctness(session: nox.Session) -> None:
     """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible."""
-    _install(session, "test", "perf", torch=True)  # perf: the CPU tests of the perf gate's logic
-    args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     gpus = gpu_count()
+    # perf: the CPU tests of the perf gate's logic; e2e: the QLoRA check, which only runs on a GPU.
+    _install(session, "test", "perf", *(("e2e",) if gpus else ()), torch=True)
+    args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     if not gpus:
         session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
         session.run(_python(session), *args, *session.posargs)
@@ -141,7 +142,7 @@ def perf(session: nox.Session) -> None:
     """
     if not gpu_count():
         session.error("nox -s perf needs an NVIDIA GPU: none is visible on this machine")
-    _install(session, "test", "perf", torch=True)
+    _install(session, "test", "perf", "e2e", "peers", torch=True)
     out = Path(os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out"))
     out.mkdir(exist_ok=True)
     session.run(

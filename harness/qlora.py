@@ -1,0 +1,122 @@
+"""One setup factory for the end-to-end QLoRA check and its perf case: a small Llama built from
+a config with random weights (no downloads), quantized by transformers' bitsandbytes integration
+(nf4, double quantization, bf16 compute), with a peft LoRA adapter on every projection.
+
+Two decoder layers at Llama-3.3-70B's sizes by default: every 4-bit weight shape of the real
+model is there (q/o 8192x8192, k/v 1024x8192, gate/up 28672x8192, down 8192x28672).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+LLAMA_3_3_70B = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class QLoRAModel:
+    model: torch.nn.Module  # a peft PeftModel
+    input_ids: torch.Tensor
+
+
+def save_random_llama(directory: str, layers: int = 2, vocab: int = 4096, seed: int = 0, dims=None) -> None:
+    """A Llama checkpoint with random bf16 weights, written with save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096, **(dims or LLAMA_3_3_70B)
+    )
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    torch.cuda.empty_cache()
+
+
+def load_qlora(directory: str, seq: int = 256, seed: int = 0) -> QLoRAModel:
+    """Quantize the checkpoint on load (nf4, nested, bf16 compute) and add a LoRA adapter whose
+    A and B are both random (seeded), so a merge changes the weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        directory,
+        quantization_config=quant,
+        device_map={"": torch.cuda.current_device()},
+        dtype=torch.bfloat16,
+        attn_implementation="eager",  # deterministic backward: no atomics in the attention kernel
+    )
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
+    model = get_peft_model(base, lora)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=g, device="cuda")
+    return QLoRAModel(model, ids)
+
+
+def train_step(m: QLoRAModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward, loss, backward; returns the loss and every trainable parameter's gradient."""
+    m.model.zero_grad(set_to_none=True)
+    loss = m.model(input_ids=m.input_ids, labels=m.input_ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in m.model.named_parameters() if p.requires_grad}
+    return loss.detach().clone(), grads
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the state dict (packed weights, absmax, nested statistics, norms...)."""
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def wall_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, each call synchronised: the time a training loop sees."""
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times of several callables, alternated call by call so drift hits all equally."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name] += wall_times(fn, 1)
+    return samples
+
+
+def median_and_noise(samples: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(samples)
+    return statistics.median(samples), (statistics.stdev(samples) / mean if len(samples) > 1 else float("inf"))
+
+
+def temporary_checkpoint(**kwargs) -> tempfile.TemporaryDirectory:
+    tmp = tempfile.TemporaryDirectory(prefix="nf4-harness-llama-")
+    save_random_llama(tmp.name, **kwargs)
+    return tmp
