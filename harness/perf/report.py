@@ -19,6 +19,8 @@ HEADERS = [
     "x bnb kernel",
     "x bnb full",
     "x bnb full/call",
+    "x triton",
+    "x torchao",
     "baseline µs",
     "Δ %",
     "verdict",
@@ -44,6 +46,8 @@ def rows(results: list[dict]) -> list[list[str]]:
                 _fmt(r["x_bnb_kernel"], ".2f"),
                 _fmt(r["x_bnb_full"], ".2f"),
                 _fmt(r["x_bnb_full_per_call"], ".2f"),
+                _fmt(r.get("x_triton"), ".2f"),
+                _fmt(r.get("x_torchao"), ".2f"),
                 _fmt(r.get("baseline_us"), ".1f"),
                 _fmt(None if r.get("delta") is None else r["delta"] * 100, "+.1f"),
                 r.get("verdict", "—"),
@@ -52,22 +56,45 @@ def rows(results: list[dict]) -> list[list[str]]:
     return out
 
 
-def render(results: list[dict], header_lines: list[str], fmt: str) -> str:
-    table = tabulate(rows(results), headers=HEADERS, tablefmt=fmt, disable_numparse=True)
+E2E_HEADERS = ["end-to-end case", "patched ms", "unpatched ms", "speed-up", "noise %", "baseline ms", "Δ %", "verdict"]
+
+
+def e2e_rows(e2e: list[dict]) -> list[list[str]]:
+    return [
+        [
+            r["case"],
+            _fmt(r["ours_ms"], ".2f"),
+            _fmt(r["bnb_ms"], ".2f"),
+            _fmt(r["speedup"], ".3f"),
+            _fmt(r["noise"] * 100, ".2f"),
+            _fmt(r.get("baseline_ms"), ".2f"),
+            _fmt(None if r.get("delta") is None else r["delta"] * 100, "+.1f"),
+            r.get("verdict", "—"),
+        ]
+        for r in e2e
+    ]
+
+
+def render(results: list[dict], header_lines: list[str], fmt: str, e2e: list[dict] = ()) -> str:
     sep = "\n\n" if fmt == "github" else "\n"
-    return sep.join([*header_lines, table]) + "\n"
+    parts = [*header_lines]
+    if results:
+        parts.append(tabulate(rows(results), headers=HEADERS, tablefmt=fmt, disable_numparse=True))
+    if e2e:
+        parts.append(tabulate(e2e_rows(e2e), headers=E2E_HEADERS, tablefmt=fmt, disable_numparse=True))
+    return sep.join(parts) + "\n"
 
 
-def write_outputs(results: list[dict], header_lines: list[str], out_dir: Path) -> dict[str, Path]:
+def write_outputs(results: list[dict], header_lines: list[str], out_dir: Path, e2e: list[dict] = ()) -> dict[str, Path]:
     """Markdown summary, plot, and the job summary when running under GitHub Actions."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = render(results, header_lines, "github")
+    markdown = render(results, header_lines, "github", e2e)
     md_path = out_dir / "perf-summary.md"
     md_path.write_text(markdown)
     if step_summary := os.environ.get("GITHUB_STEP_SUMMARY"):
         with open(step_summary, "a") as fh:
             fh.write(markdown)
-    return {"markdown": md_path, "plot": plot(results, out_dir / "perf-copy-bandwidth.png")}
+    return {"markdown": md_path, "plot": plot(results, out_dir / "perf-copy-bandwidth.png") if results else None}
 
 
 def plot(results: list[dict], path: Path) -> Path:

@@ -4,6 +4,7 @@ baseline, and the summary (table, Markdown, plot) written when the session ends.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -11,7 +12,31 @@ import torch
 from harness.perf import gpu_info, report, verdict
 from harness.perf.gpu_timer import ColdL2Timer
 
+
+class Replay:
+    """A clock for pytest-benchmark that advances by recorded times instead of host time: the
+    benchmark record then holds the GPU (or end-to-end) samples the harness measured."""
+
+    now: ClassVar[float] = 0.0
+    pending: ClassVar[list[float]] = []
+
+    @classmethod
+    def clock(cls) -> float:
+        return cls.now
+
+    @classmethod
+    def step(cls) -> None:
+        cls.now += cls.pending.pop(0)
+
+
+def replay_into(benchmark, samples_s: list[float]) -> None:
+    """Feed measured samples to a test marked ``@pytest.mark.benchmark(timer=Replay.clock, ...)``."""
+    Replay.pending = list(samples_s)
+    benchmark.pedantic(Replay.step, rounds=len(samples_s), iterations=1)
+
+
 RESULTS: list[dict] = []
+E2E_RESULTS: list[dict] = []
 SESSION: dict = {}
 
 
@@ -63,7 +88,7 @@ def baseline(request, gpu):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not RESULTS:
+    if not RESULTS and not E2E_RESULTS:
         return
     gpu = SESSION.get("gpu", {})
     copy = SESSION.get("copy", {})
@@ -77,17 +102,19 @@ def pytest_sessionfinish(session, exitstatus):
             "host time per call (validation + launch, no GPU wait): "
             + ", ".join(f"{k} {v:.1f} µs" for k, v in overhead.items())
         )
+    for name, reason in SESSION.get("peers_not_run", {}).items():
+        header.append(f"peer {name}: {reason}")
     counts = {}
-    for r in RESULTS:
+    for r in RESULTS + E2E_RESULTS:
         counts[r.get("verdict", "—")] = counts.get(r.get("verdict", "—"), 0) + 1
     header.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     out_dir = Path(session.config.getoption("--perf-out"))
     if session.config.getoption("--save-baseline"):
-        cases = {r["case"]: r["baseline_record"] for r in RESULTS}
+        cases = {r["case"]: r["baseline_record"] for r in RESULTS + E2E_RESULTS}
         path = verdict.save_baseline(gpu, gpu_info.software_versions(), cases)
         header.append(f"baseline written: {path}")
-    outputs = report.write_outputs(RESULTS, header, out_dir)
-    text = report.render(RESULTS, header, "simple")
+    outputs = report.write_outputs(RESULTS, header, out_dir, E2E_RESULTS)
+    text = report.render(RESULTS, header, "simple", E2E_RESULTS)
     terminal = session.config.pluginmanager.get_plugin("terminalreporter")
     if terminal:
         terminal.write_line("")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import ClassVar
 
 import pytest
 import torch
@@ -22,26 +21,11 @@ from harness.perf import verdict
 from harness.perf.gpu_timer import StopRule, per_call_seconds
 from harness.variants import KERNEL_PARAMS, KernelVariant
 
-from .conftest import RESULTS, SESSION
+from .conftest import RESULTS, SESSION, Replay, replay_into
 
 pytestmark = pytest.mark.gpu
 
 MAX_REMEASURE = 2
-
-
-class _Replay:
-    """A clock for pytest-benchmark that advances by recorded GPU times instead of host time."""
-
-    now: ClassVar[float] = 0.0
-    pending: ClassVar[list[float]] = []
-
-    @classmethod
-    def clock(cls) -> float:
-        return cls.now
-
-    @classmethod
-    def step(cls) -> None:
-        cls.now += cls.pending.pop(0)
 
 
 def _cases():
@@ -79,6 +63,27 @@ def _bytes_moved(n: int, dtype: torch.dtype, blocksize: int, nested: bool) -> in
     return (n + 1) // 2 + n * dtype.itemsize + scales
 
 
+def _peers(A, qs, shape, dtype, quant, blocksize, seed, device) -> dict:
+    """Each peer's launch callable, or the reason it can't run here (shown in the summary)."""
+    peers = {}
+    try:
+        from harness.peers import triton_dequantize
+    except ImportError as exc:
+        peers["triton"] = f"not run: {exc}"
+    else:
+        peers["triton"] = lambda: triton_dequantize.dequantize_4bit(A, qs)
+    if quant != "nf4":
+        peers["torchao"] = "not run: torchao's NF4 tensor has no fp4"
+    else:
+        try:
+            from harness.peers import torchao_nf4
+
+            peers["torchao"] = torchao_nf4.dequantizer(shape, dtype, blocksize, seed, device)
+        except ImportError as exc:
+            peers["torchao"] = f"not run: {exc}"
+    return peers
+
+
 def _host_overhead(A, qs, bnb) -> dict:
     """Host time per call on a small weight, queue never full: ours (validation + launch, with and
     without allocating the output), bitsandbytes' full path, and the two floors every caller pays
@@ -108,7 +113,7 @@ def _host_overhead(A, qs, bnb) -> dict:
     return out
 
 
-@pytest.mark.benchmark(timer=_Replay.clock, disable_gc=True, warmup=False)
+@pytest.mark.benchmark(timer=Replay.clock, disable_gc=True, warmup=False)
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baseline, run_seed, case):
     w, dtype_name, scales, quant, blocksize = case
@@ -134,6 +139,13 @@ def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baselin
     ours_m = timer.measure(ours)
     full_m = timer.measure(bnb_full)
     kern_m = timer.measure(bnb_kernel)
+    peer_x = {}
+    for name, peer in _peers(A, qs, w.shape, dtype, quant, blocksize, run_seed, perf_device).items():
+        if isinstance(peer, str):
+            SESSION.setdefault("peers_not_run", {})[name] = peer
+            peer_x[name] = None
+        else:
+            peer_x[name] = timer.measure(peer).median_s / ours_m.median_s
     # The roofline at this size: a device copy moving the same bytes (half read, half written).
     # Small tensors can't reach the large-copy bandwidth; this says how close the kernel gets.
     nbytes = _bytes_moved(n, dtype, blocksize, nested)
@@ -179,6 +191,8 @@ def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baselin
         "x_bnb_kernel": kern_m.median_s / ours_m.median_s,
         "x_bnb_full": full_m.median_s / ours_m.median_s,
         "x_bnb_full_per_call": full_call / ours_call,
+        "x_triton": peer_x["triton"],
+        "x_torchao": peer_x["torchao"],
         "bnb_kernel_pct_copy": 100 * nbytes / kern_m.median_s / 1e9 / copy_gbps,
         "bnb_full_pct_copy": 100 * nbytes / full_m.median_s / 1e9 / copy_gbps,
         "baseline_us": base_us,
@@ -210,8 +224,7 @@ def test_dequantize_speed(benchmark, bnb, perf_device, timer, copy_gbps, baselin
             "bnb_full_per_call_us": full_call * 1e6,
         }
     )
-    _Replay.pending = list(ours_m.samples_s)
-    benchmark.pedantic(_Replay.step, rounds=len(ours_m.samples_s), iterations=1)
+    replay_into(benchmark, ours_m.samples_s)
 
     if result_verdict is not None and result_verdict.name == "SLOWER":
         pytest.fail(f"{cid}: SLOWER than the baseline ({delta * 100:+.1f}%, {base_us:.1f} µs before)")

@@ -1,0 +1,1 @@
+"""Other implementations measured beside ours in the perf session (see tests/perf)."""
