@@ -93,10 +93,13 @@ def pytest_sessionfinish(session, exitstatus):
     gpu = SESSION.get("gpu", {})
     copy = SESSION.get("copy", {})
     header = [
-        f"GPU: {gpu.get('name')} (driver {gpu.get('driver')}, SM clock default {gpu.get('default_sm_clock_mhz')} MHz)",
-        f"copy bandwidth this run: {copy.get('gbps', 0):.0f} GB/s (read + write); "
-        f"NVML theoretical: {gpu.get('theoretical_gbps') or 0:.0f} GB/s",
+        f"GPU: {gpu.get('name')} (driver {gpu.get('driver')}, SM clock default {gpu.get('default_sm_clock_mhz')} MHz)"
     ]
+    if copy:  # measured only when a kernel case ran
+        header.append(
+            f"copy bandwidth this run: {copy['gbps']:.0f} GB/s (read + write); "
+            f"NVML theoretical: {gpu.get('theoretical_gbps') or 0:.0f} GB/s"
+        )
     if overhead := SESSION.get("host_overhead_us"):
         header.append(
             "host time per call (validation + launch, no GPU wait): "
