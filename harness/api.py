@@ -166,24 +166,25 @@ def dequantize_4bit(
     return out
 
 
-_kernels: dict[tuple, tuple[launcher.LoadedKernel, int, int]] = {}
+_kernels: dict[tuple, tuple[launcher.LoadedKernel, int, int, int]] = {}
 _bound = threading.local()  # device indexes whose primary context this thread has made current
 
 
 def _kernel(quant_type: str, out_name: str, nested: bool, tiling: tuple[int, int], device_index: int):
-    """(loaded kernel, threads per block, elements per block tile) for one launch configuration."""
+    """(loaded kernel, threads per block, elements per block tile, elements per 16-byte store)
+    for one launch configuration."""
     key = (quant_type, out_name, nested, tiling, device_index)
     if (hit := _kernels.get(key)) is None:
         threads, unroll = tiling
         variant = KernelVariant(quant_type, out_name, nested, threads, unroll, extra_read=_EXTRA_READ)
         loaded = launcher.load(variant, device_index)
-        hit = _kernels[key] = (loaded, threads, threads * unroll * variant.chunk_elems)
+        chunk = variant.chunk_elems
+        hit = _kernels[key] = (loaded, threads, threads * unroll * chunk, chunk)
     return hit
 
 
 def _launch(quant_type, out_name, nested, device_index, args, out_ptr, n, bs_log2, bs2_log2) -> None:
-    loaded, threads, tile_elems = _kernel(quant_type, out_name, nested, tiling_for(n), device_index)
-    chunk = 4 if out_name == "fp32" else 8
+    loaded, threads, tile_elems, chunk = _kernel(quant_type, out_name, nested, tiling_for(n), device_index)
     # 16-byte stores need a 16-byte aligned output; the packed loads need chunk / 2 bytes.
     vectorized = args[0] % (chunk // 2) == 0 and out_ptr % 16 == 0
     # One tile per block (measured fastest, NOTES.md); a misaligned call runs the scalar path,

@@ -128,7 +128,7 @@ def _stream(handle: int):
 
 def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, kinds: tuple[str, ...], args) -> None:
     """Enqueue one launch of ``loaded`` on a raw CUDA stream handle (e.g. PyTorch's current
-    stream). ``kinds`` names each parameter's type ("ptr", "i64", "i32", "f32"), in order.
+    stream). ``kinds`` names each parameter's type ("ptr", "u64", "i64", "i32", "f32"), in order.
     A refused launch raises KernelLaunchError with the CUDA error name."""
     from cuda.bindings import driver
 
