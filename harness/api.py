@@ -26,6 +26,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # The current device without torch.cuda.current_device()'s lazy-init check (CUDA is initialised
 # by the time a CUDA tensor exists); the public call is the fallback.
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
+_MAX_GRID = (1 << 31) - 1
 
 
 def _fail(msg: str):
@@ -194,7 +196,7 @@ def _launch(quant_type, out_name, nested, device_index, args, out_ptr, n, bs_log
     params = (*args, out_ptr, n, bs_log2, bs2_log2, 1 if vectorized else 0)
     if device_index != _current_device():
         with torch.cuda.device(device_index):
-            launcher.launch(loaded, grid, threads, _stream(device_index), KERNEL_PARAMS, params)
+            launcher.launch(loaded, grid, threads, _current_stream_handle(device_index), KERNEL_PARAMS, params)
         return
     bound = getattr(_bound, "devices", None)
     if bound is None or device_index not in bound:
@@ -202,14 +204,10 @@ def _launch(quant_type, out_name, nested, device_index, args, out_ptr, n, bs_log
         # switch makes the primary context current (the same one the kernel was loaded into).
         torch.cuda.set_device(device_index)
         _bound.devices = (bound or frozenset()) | {device_index}
-    launcher.launch(loaded, grid, threads, _stream(device_index), KERNEL_PARAMS, params)
+    launcher.launch(loaded, grid, threads, _current_stream_handle(device_index), KERNEL_PARAMS, params)
 
 
-# The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
-_MAX_GRID = (1 << 31) - 1
-
-
-def _stream(device_index: int) -> int:
+def _current_stream_handle(device_index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream

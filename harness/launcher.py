@@ -65,7 +65,8 @@ class LoadedKernel:
     arch: str
     kernel: object  # cuda.core Kernel
     resources: tuple[KernelResources, ...]
-    sm_count: int
+    # Per parameter-kinds packing buffer, and the lock that keeps it unchanged during a launch.
+    packers: dict = field(default_factory=dict, compare=False, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
 
@@ -107,15 +108,12 @@ def load_source(
         arch = device_arch(device_index)
         compiled = jit.compile_kernel(source_spec(source, arch, macros, label))
         kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
-        loaded = LoadedKernel(
-            variant, device_index, arch, kernel, tuple(compiled.resources), device.properties.multiprocessor_count
-        )
+        loaded = LoadedKernel(variant, device_index, arch, kernel, tuple(compiled.resources))
         _loaded[key] = loaded
         return loaded
 
 
 _streams: dict[int, object] = {}
-_packers: dict[tuple[int, tuple[str, ...]], ArgPacker] = {}
 
 
 def _stream(handle: int):
@@ -132,9 +130,8 @@ def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, kind
     A refused launch raises KernelLaunchError with the CUDA error name."""
     from cuda.bindings import driver
 
-    key = (id(loaded), kinds)
-    if (packer := _packers.get(key)) is None:
-        packer = _packers.setdefault(key, ArgPacker(kinds))
+    if (packer := loaded.packers.get(kinds)) is None:
+        packer = loaded.packers.setdefault(kinds, ArgPacker(kinds))
     with loaded.lock:  # the driver releases the GIL; the shared buffer must not change under it
         packer.pack(args)
         (err,) = driver.cuLaunchKernel(

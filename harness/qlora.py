@@ -99,18 +99,6 @@ def wall_times(fn: Callable[[], object], repeats: int) -> list[float]:
     return out
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Wall times of several callables, alternated call by call so drift hits all equally."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name] += wall_times(fn, 1)
-    return samples
-
-
 def median_and_noise(samples: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(samples)
     return statistics.median(samples), (statistics.stdev(samples) / mean if len(samples) > 1 else float("inf"))

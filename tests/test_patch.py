@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import harness
-from harness import api, patch
+from harness import api, cases, patch
 from harness.bitcompare import assert_bit_exact
 from harness.errors import DequantizeInputError
 
@@ -93,10 +93,8 @@ def test_callers_that_look_up_the_attribute_are_routed(F, monkeypatch):
 
 def test_what_ours_refuses_falls_back_to_bitsandbytes_bit_exact(F, run_seed):
     """CPU tensors: ours refuses before launching, bitsandbytes' CPU backend answers."""
-    g = torch.Generator().manual_seed(run_seed)
-    w = torch.randn(64, 96, generator=g, dtype=torch.float32).to(torch.bfloat16)
     for nested in (False, True):
-        A, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+        A, qs = cases.quantize_weights((64, 96), "nf4", 64, nested, torch.bfloat16, run_seed, device="cpu")
         expected = F.dequantize_4bit(A, qs)
         before = patch.routed_calls()
         with harness.bitsandbytes_patched():
@@ -122,9 +120,7 @@ def test_fallback_passes_every_argument_through(monkeypatch):
 def test_under_torch_compile_the_original_op_is_traced(F, run_seed):
     """TorchDynamo can't trace raw-pointer launches; the patch hands compiled code to
     bitsandbytes' traceable op, in one graph (fullgraph=True fails on any graph break)."""
-    g = torch.Generator().manual_seed(run_seed)
-    w = torch.randn(32, 64, generator=g).to(torch.float16)
-    A, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
+    A, qs = cases.quantize_weights((32, 64), "nf4", 64, False, torch.float16, run_seed, device="cpu")
     expected = F.dequantize_4bit(A, qs)
     torch._dynamo.reset()
     with harness.bitsandbytes_patched():
@@ -140,9 +136,7 @@ def test_under_torch_compile_the_original_op_is_traced(F, run_seed):
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 def test_patched_calls_run_our_kernel_bit_exact(F, cuda, run_seed, quant_type, nested):
-    g = torch.Generator(device=cuda).manual_seed(run_seed)
-    w = torch.randn(384, 512, generator=g, device=cuda).to(torch.bfloat16)
-    A, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=quant_type)
+    A, qs = cases.quantize_weights((384, 512), quant_type, 64, nested, torch.bfloat16, run_seed, device=cuda)
     expected = F.dequantize_4bit(A, qs)
     before = patch.routed_calls()
     with harness.bitsandbytes_patched():
@@ -155,9 +149,8 @@ def test_patched_calls_run_our_kernel_bit_exact(F, cuda, run_seed, quant_type, n
 def test_qlora_backward_through_matmul_4bit_is_bit_identical(F, cuda, run_seed):
     import bitsandbytes as bnb
 
-    g = torch.Generator(device=cuda).manual_seed(run_seed)
-    w = torch.randn(768, 512, generator=g, device=cuda).to(torch.bfloat16)
-    B, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    B, qs = cases.quantize_weights((768, 512), "nf4", 64, True, torch.bfloat16, run_seed, device=cuda)
+    g = cases.seeded_generator(run_seed, cuda)
     x = torch.randn(16, 512, generator=g, device=cuda, dtype=torch.bfloat16)
 
     def grad():
@@ -175,9 +168,7 @@ def test_qlora_backward_through_matmul_4bit_is_bit_identical(F, cuda, run_seed):
 
 @pytest.mark.gpu
 def test_compiled_module_on_gpu_gives_the_same_bits(F, cuda, run_seed):
-    g = torch.Generator(device=cuda).manual_seed(run_seed)
-    w = torch.randn(256, 256, generator=g, device=cuda).to(torch.float16)
-    A, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    A, qs = cases.quantize_weights((256, 256), "nf4", 64, True, torch.float16, run_seed, device=cuda)
     expected = F.dequantize_4bit(A, qs)
     torch._dynamo.reset()
     with harness.bitsandbytes_patched():
