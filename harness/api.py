@@ -16,10 +16,9 @@ import torch
 
 from harness import launcher
 from harness.errors import DequantizeInputError
-from harness.variants import BLOCKSIZES, KERNEL_PARAMS, KernelVariant, extra_read_requested, tiling_for
+from harness.variants import BLOCKSIZES, KERNEL_PARAMS, KernelVariant, tiling_for
 
 _OUT_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_EXTRA_READ = extra_read_requested()  # the perf gate's deliberately slower build, read once
 # PyTorch's raw current-stream handle without building a Stream object (what Triton's launcher
 # uses); the public call is the fallback.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -178,7 +177,7 @@ def _kernel(quant_type: str, out_name: str, nested: bool, tiling: tuple[int, int
     key = (quant_type, out_name, nested, tiling, device_index)
     if (hit := _kernels.get(key)) is None:
         threads, unroll = tiling
-        variant = KernelVariant(quant_type, out_name, nested, threads, unroll, extra_read=_EXTRA_READ)
+        variant = KernelVariant(quant_type, out_name, nested, threads, unroll)
         loaded = launcher.load(variant, device_index)
         chunk = variant.chunk_elems
         hit = _kernels[key] = (loaded, threads, threads * unroll * chunk, chunk)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -19,9 +18,6 @@ ENTRY = "dequantize_4bit_kernel"
 # The entry point's parameters, in order, as launcher.launch packs them:
 # A, absmax, code2, absmax2, offset_ptr, offset_value, out, n, bs_log2, bs2_log2, vectorized.
 KERNEL_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32")
-# A deliberately slower build (one extra pass over the packed input, about +20% bytes for fp16
-# output) used to prove the perf gate catches a regression: NF4_HARNESS_EXTRA_READ=1.
-EXTRA_READ_ENV = "NF4_HARNESS_EXTRA_READ"
 
 # Tilings (threads per block, chunks per thread), picked by tensor size. Both tiles are 1024
 # chunks; measured on an H100 (kernels/NOTES.md): 512 x 2 is fastest on large weights, 256 x 4
@@ -30,10 +26,6 @@ EXTRA_READ_ENV = "NF4_HARNESS_EXTRA_READ"
 LARGE_TILING = (512, 2)
 SMALL_TILING = (256, 4)
 LARGE_MIN_ELEMENTS = 16 << 20
-
-
-def extra_read_requested() -> bool:
-    return os.environ.get(EXTRA_READ_ENV) == "1"
 
 
 @dataclass(frozen=True)
@@ -45,7 +37,6 @@ class KernelVariant:
     nested: bool
     threads: int = SMALL_TILING[0]
     unroll: int = SMALL_TILING[1]
-    extra_read: bool = False
 
     def __post_init__(self):
         if self.quant_type not in _QUANT_CODE:
@@ -65,8 +56,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         scales = "nested" if self.nested else "plain"
-        slow = "-xr" if self.extra_read else ""
-        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}{slow}"
+        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}"
 
     def macros(self) -> tuple[tuple[str, str], ...]:
         return (
@@ -75,7 +65,6 @@ class KernelVariant:
             ("DQ_NESTED", "1" if self.nested else "0"),
             ("DQ_THREADS", str(self.threads)),
             ("DQ_UNROLL", str(self.unroll)),
-            ("DQ_EXTRA_READ", "1" if self.extra_read else "0"),
         )
 
 

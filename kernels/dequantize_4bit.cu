@@ -24,16 +24,12 @@
 //   DQ_NESTED     0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
 //   DQ_THREADS    threads per block
 //   DQ_UNROLL     independent chunks in flight per thread (a block's tile is DQ_THREADS * DQ_UNROLL)
-//   DQ_EXTRA_READ 1 = read the packed input twice (a deliberately slower build for the perf gate)
 // The host launches one tile per block; the loop below also covers a capped grid.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #if !defined(DQ_OUT) || !defined(DQ_QUANT) || !defined(DQ_NESTED) || !defined(DQ_THREADS) || !defined(DQ_UNROLL)
 #error "DQ_OUT, DQ_QUANT, DQ_NESTED, DQ_THREADS and DQ_UNROLL must be defined by the compile spec"
-#endif
-#ifndef DQ_EXTRA_READ
-#define DQ_EXTRA_READ 0
 #endif
 
 typedef long long i64;
@@ -240,16 +236,6 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(
     (void)offset_value;
 #endif
     __syncthreads();
-
-#if DQ_EXTRA_READ
-    {
-        // One more pass over the packed bytes; the result only guards a store that never happens.
-        u32 acc = 0;
-        for (i64 i = (i64)blockIdx.x * DQ_THREADS + threadIdx.x; i < ((n + 1) >> 1); i += (i64)gridDim.x * DQ_THREADS)
-            acc += __ldcs(A + i);
-        if (acc == 0xffffffffu) out[0] = to_out(0.0f);
-    }
-#endif
 
     // Software-pipelined: the next tile's loads are in flight while this one is decoded.
     for (; base < chunks; base += step) {
