@@ -1,77 +1,357 @@
-"""The perf gate's logic on recorded and synthetic data: verdicts, baselines, naming, summary."""
+"""The perf gate's logic on synthetic and recorded data, without a GPU: paired statistics,
+session-level error control, verdicts and exit status, baselines (rounding, no churn, drift),
+the summary, the sides' module handling, the planted-slowdown fixture and the rate summary."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
+import sys
+import textwrap
+from types import SimpleNamespace
 
 import pytest
 
-from harness.perf import gpu_info, report, verdict
+from harness.perf import baseline, catalog, gate, gpu_info, policy, report, sides
 from harness.perf.gpu_timer import StopRule, ThrottleRule, relative_noise
+from harness.perf.stats import PairedRatio, holm, relative_spread
 
+LARGE, SMALL = policy.size_class(200_000_000), policy.size_class(5_000_000)
 GPU = {
     "nvml": "ok",
     "name": "NVIDIA H100 80GB HBM3",
     "slug": "nvidia-h100-80gb-hbm3",
     "driver": "580.159.04",
-    "default_sm_clock_mhz": 1755,
+    "default_sm_clock_mhz": 1980,
     "max_sm_clock_mhz": 1980,
 }
 
 
-def test_identical_data_is_same():
-    assert verdict.judge(100.0, 0.004, 500, 100.0, 0.004, 500).name == "SAME"
+def _rounds(rng: random.Random, true_us: float, slowdown: float, noise: float, rounds: int, drift: float = 0.0):
+    """Synthetic ABBA rounds: per-round medians of each side with independent noise; ``drift``
+    moves the machine's speed through the session, the same for both sides of a round."""
+    base, cand = [], []
+    for r in range(rounds):
+        machine = 1 + drift * r / rounds
+        base.append(true_us * machine * (1 + rng.gauss(0, noise)))
+        cand.append(true_us * machine * (1 + slowdown) * (1 + rng.gauss(0, noise)))
+    return base, cand
 
 
-def test_ten_percent_slower_with_small_spread_is_slower():
-    v = verdict.judge(110.0, 0.004, 500, 100.0, 0.004, 500)
-    assert v.name == "SLOWER" and v.delta == pytest.approx(0.10)
+def _session(rng, cases: int, slowdown: float, noise: float, machine_offset: float, rounds: int = 8):
+    evidence = {}
+    for i in range(cases):
+        speed = 1 + machine_offset  # a slower runner: both sides of every pair pay it
+        b, c = _rounds(rng, 100.0 * speed, slowdown, noise, rounds, drift=0.02)
+        evidence[f"case{i}"] = (PairedRatio.from_rounds(b, c), LARGE if i % 2 else SMALL)
+    return gate.judge(evidence)
 
 
-def test_ten_percent_faster_is_faster():
-    assert verdict.judge(90.0, 0.004, 500, 100.0, 0.004, 500).name == "FASTER"
+# -- paired statistics ------------------------------------------------------------------------
 
 
-def test_more_samples_narrow_the_interval():
-    assert verdict.judge(108.0, 0.06, 10, 100.0, 0.06, 10).name == "AMBIGUOUS"
-    assert verdict.judge(108.0, 0.06, 1000, 100.0, 0.06, 1000).name == "SLOWER"
+def test_machine_offset_cancels_in_the_paired_ratio():
+    """A runner 5% slower than the one anything was recorded on changes no verdict."""
+    rng = random.Random(1)
+    for _ in range(50):
+        judgements = _session(rng, cases=62, slowdown=0.0, noise=0.002, machine_offset=0.05)
+        assert gate.Verdict.SLOWER not in {j.verdict for j in judgements.values()}
+        assert all(abs(j.ratio - 1) < 0.005 for j in judgements.values())
 
 
-def test_overlapping_noisy_data_is_ambiguous():
-    assert verdict.judge(108.0, 0.06, 10, 100.0, 0.06, 10).name == "AMBIGUOUS"
+def test_interval_and_p_value_of_a_known_shift():
+    paired = PairedRatio.from_rounds([100.0] * 4, [102.0, 102.2, 101.8, 102.0])
+    assert paired.ratio == pytest.approx(1.02, abs=1e-4)
+    low, high = paired.interval(0.99)
+    assert low < 1.02 < high and high - low < 0.01
+    assert paired.p_value() < 1e-3
+    assert PairedRatio.from_rounds([1.0, 1.0], [1.0, 1.0]).p_value() == 1.0  # identical rounds
+    assert PairedRatio.from_rounds([1.0], [2.0]).interval(0.99) == (0.0, math.inf)  # one round proves nothing
+    with pytest.raises(ValueError, match="rounds"):
+        PairedRatio.from_rounds([1.0, 2.0], [1.0])
 
 
-def test_within_the_floor_is_same_however_noisy():
-    assert verdict.judge(100.0 * (1 + verdict.FLOOR * 0.9), 0.5, 10, 100.0, 0.5, 10).name == "SAME"
+def test_holm_adjustment():
+    adjusted = holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    assert adjusted == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})  # monotone step-down
+    assert holm({"a": 0.9, "b": 0.8}) == {"a": 1.0, "b": 1.0}
 
 
-def test_worst_of_two_signals_decides():
-    same, slower = verdict.judge(100, 0.001, 50, 100, 0.001, 50), verdict.judge(120, 0.001, 50, 100, 0.001, 50)
-    assert verdict.worst(same, slower).name == "SLOWER"
+def test_session_level_error_is_controlled_not_per_case():
+    """400 null sessions of 62 noisy cases: without a correction about half the sessions would
+    call some case significant at 1%; with Holm about 1% of sessions do."""
+    rng = random.Random(7)
+    uncorrected = corrected = 0
+    for _ in range(400):
+        p = {}
+        for i in range(62):
+            b, c = _rounds(rng, 10.0, 0.0, 0.02, 8)
+            p[f"c{i}"] = PairedRatio.from_rounds(b, c).p_value()
+        uncorrected += min(p.values()) < policy.FAMILY_ALPHA
+        corrected += min(holm(p).values()) < policy.FAMILY_ALPHA
+    assert uncorrected > 140  # 1 - 0.99 ** 62: about 46% of sessions
+    assert corrected <= 400 * policy.FAMILY_ALPHA * 3
 
 
-def test_missing_case_is_an_error_naming_the_fix():
-    with pytest.raises(verdict.BaselineError, match="nox -s perf -- --save-baseline"):
-        verdict.baseline_case({"cases": {}}, "llama-3.3-70b.q_proj-nf4-fp16-bs64-nested")
+# -- verdicts ---------------------------------------------------------------------------------
 
 
-def test_baseline_roundtrip_and_checks(tmp_path):
-    path = verdict.save_baseline(GPU, {"torch": "2.11"}, {"a": {"median_us": 1.0}}, tmp_path)
-    assert path.name == "nvidia-h100-80gb-hbm3.json"
-    verdict.save_baseline(GPU, {"torch": "2.11"}, {"b": {"median_us": 2.0}}, tmp_path)  # updates, keeps a
-    data = verdict.load_baseline(GPU, tmp_path)
-    assert set(data["cases"]) == {"a", "b"}
-    with pytest.raises(verdict.BaselineError, match="driver"):
-        verdict.load_baseline({**GPU, "driver": "999.0"}, tmp_path)
-    with pytest.raises(verdict.BaselineError, match="no baseline for"):
-        verdict.load_baseline({**GPU, "name": "NVIDIA A100-SXM4-80GB", "slug": "nvidia-a100-sxm4-80gb"}, tmp_path)
-    other = json.loads(path.read_text())
-    other["gpu"]["name"] = "NVIDIA H200"
-    path.write_text(json.dumps(other))
-    with pytest.raises(verdict.BaselineError, match="recorded on"):
-        verdict.load_baseline(GPU, tmp_path)
-    with pytest.raises(verdict.BaselineError, match="NVML"):
-        verdict.load_baseline({"nvml": "unavailable: no driver"}, tmp_path)
+def _judge_one(slowdown, noise, cls=LARGE, rounds=8, seed=3):
+    b, c = _rounds(random.Random(seed), 100.0, slowdown, noise, rounds)
+    return gate.judge({"x": (PairedRatio.from_rounds(b, c), cls)})["x"]
+
+
+def test_verdicts_from_the_paired_ratio():
+    assert _judge_one(0.0, 0.001).verdict is gate.Verdict.SAME
+    assert _judge_one(0.02, 0.001).verdict is gate.Verdict.SLOWER  # 2% on a large weight (threshold 1%)
+    assert _judge_one(-0.05, 0.001).verdict is gate.Verdict.FASTER
+    assert _judge_one(0.005, 0.001).verdict is gate.Verdict.SAME  # real, but below the threshold
+    assert _judge_one(0.02, 0.001, cls=SMALL).verdict is gate.Verdict.SAME  # small weights: 2.5%
+
+
+def test_ambiguous_gets_more_rounds_until_the_cap():
+    noisy = _judge_one(0.0, 0.03)
+    assert noisy.verdict is gate.Verdict.AMBIGUOUS
+    assert gate.rounds_to_add(noisy) == 8
+    capped = _judge_one(0.0, 0.2, rounds=policy.SCHEDULE.max_rounds)
+    assert capped.verdict is gate.Verdict.AMBIGUOUS and gate.rounds_to_add(capped) == 0
+    assert gate.rounds_to_add(_judge_one(0.0, 0.001)) == 0
+
+
+def test_exit_status_says_which_kind_of_red():
+    same, slower, ambiguous = _judge_one(0, 0.001), _judge_one(0.05, 0.001), _judge_one(0.0, 0.03)
+    assert gate.exit_status({"a": same}) == gate.EXIT_OK
+    assert gate.exit_status({"a": same, "b": ambiguous}) == gate.EXIT_UNDECIDED
+    assert gate.exit_status({"a": slower, "b": ambiguous}) == gate.EXIT_REGRESSION
+    assert gate.exit_status({"a": same}, drifted=1) == gate.EXIT_REGRESSION
+    assert gate.exit_status({"a": same}, errors=1) == gate.EXIT_ERROR
+    assert gate.counts({"a": same, "b": slower, "c": same}) == {"SAME": 2, "SLOWER": 1}
+
+
+def test_size_classes_cover_every_case():
+    ids = [c.id for c in catalog.kernel_cases()]
+    assert len(ids) == len(set(ids)) >= 62
+    classes = {c.size_class.name for c in catalog.kernel_cases()}
+    assert classes == {"large", "mid", "small"}
+    assert [c.name for c in policy.SIZE_CLASSES] == ["large", "mid", "small"]
+
+
+# -- stored baselines -------------------------------------------------------------------------
+
+
+def _record(values: dict[str, float], numel=200_000_000) -> dict:
+    return baseline.session_record(GPU, {"torch": "2.11"}, values, dict.fromkeys(values, numel))
+
+
+def test_rounding():
+    assert baseline.round_us(204.73) == 205.0 and baseline.round_us(7.9123) == 7.91
+    assert baseline.round_us(1234.5) == 1230.0
+    assert baseline.round_spread(0.0041) == 0.005 and baseline.round_spread(0.004) == 0.004
+    assert relative_spread([100, 101, 99]) == pytest.approx(0.01)
+
+
+def test_baseline_from_several_sessions_and_no_churn(tmp_path):
+    path = baseline.save([_record({"a": 204.7, "b": 8.0}), _record({"a": 205.5, "b": 8.1})], tmp_path)
+    data = json.loads(path.read_text())
+    assert data["sessions"] == 2 and data["cases"]["a"] == {"us": 205.0, "spread": 0.002, "numel": 200_000_000}
+    assert [line.strip()[:4] for line in path.read_text().splitlines() if '"us"' in line] == ['"a":', '"b":']
+    text = path.read_text()
+    # Re-recording unchanged code (values within the threshold, spread no wider) rewrites nothing.
+    baseline.save([_record({"a": 205.9, "b": 8.02}), _record({"a": 205.4, "b": 8.05})], tmp_path)
+    assert path.read_text() == text
+    # A real change rewrites that case's line only.
+    baseline.save([_record({"a": 230.0, "b": 8.05})], tmp_path)
+    changed = [line for line in path.read_text().splitlines() if line not in text.splitlines()]
+    assert len(changed) == 2 and '"a"' in changed[1]  # the session count and case a
+
+
+def test_drift_tolerance_and_check(tmp_path):
+    baseline.save([_record({"a": 200.0, "b": 100.0}), _record({"a": 200.0, "b": 110.0})], tmp_path)
+    stored, line = baseline.load(GPU, tmp_path)
+    assert "2 sessions" in line
+    assert stored.cases["a"].tolerance() == LARGE.drift_floor
+    assert stored.cases["b"].tolerance() == pytest.approx(policy.DRIFT_SPREAD_FACTOR * 0.048)  # its spread widens it
+    rows = baseline.check_drift(stored, {"a": 200 * (1 + LARGE.drift_floor * 1.2), "b": 105.0, "c": 1.0})
+    assert {c: r.status for c, r in rows.items()} == {"a": "DRIFTED", "b": "OK", "c": "MISSING"}
+    assert baseline.check_drift(stored, {"a": 150.0})["a"].status == "STALE"
+
+
+def test_missing_or_foreign_baseline_is_one_clear_line(tmp_path):
+    stored, line = baseline.load({**GPU, "name": "NVIDIA A100-SXM4-80GB", "slug": "nvidia-a100-sxm4-80gb"}, tmp_path)
+    assert stored is None and "no stored baseline for NVIDIA A100-SXM4-80GB" in line and "A/B gate" in line
+    stored, line = baseline.load({"nvml": "unavailable: no driver"}, tmp_path)
+    assert stored is None and "NVML" in line
+    (tmp_path / "nvidia-h100-80gb-hbm3.json").write_text('{"cases": {}}')
+    assert "schema" in baseline.load(GPU, tmp_path)[1]
+    with pytest.raises(ValueError, match="different GPU models"):
+        baseline.combine([_record({"a": 1.0}), {**_record({"a": 1.0}), "gpu": {"name": "other"}}])
+
+
+def test_baseline_cli(tmp_path):
+    record = tmp_path / "session-record.json"
+    record.write_text(json.dumps(_record({"a": 50.0})))
+    assert baseline.main([str(record), "--dir", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "nvidia-h100-80gb-hbm3.json").exists()
+
+
+def test_committed_baselines_load(tmp_path):
+    """Every baseline file in the repository reads with the current schema."""
+    from harness.perf.session import JUDGE_ROOT
+
+    for path in sorted((JUDGE_ROOT / "baselines").glob("nvidia-*.json")):
+        data = json.loads(path.read_text())
+        gpu = {**GPU, "name": data["gpu"]["name"], "slug": path.stem}
+        stored, line = baseline.load(gpu, path.parent)
+        assert stored is not None, line
+        assert all(e.us > 0 and e.spread >= 0 for e in stored.cases.values())
+
+
+# -- the summary ------------------------------------------------------------------------------
+
+
+def _fake_session(ab: bool = True):
+    case = next(c for c in catalog.kernel_cases() if c.id == "llama-3.3-70b.gate_proj-nf4-fp16-bs64-nested")
+    b, c = _rounds(random.Random(5), 204.7e-6, 0.0, 0.001, 8)
+    result = SimpleNamespace(
+        case=case,
+        candidate_us=205.0,
+        base_us=204.8 if ab else None,
+        same_output=True if ab else None,
+        references_s={"bnb_kernel": 270e-6, "bnb_full": 290e-6, "same_size_copy": 200e-6},
+    )
+    judgements = gate.judge({case.id: (PairedRatio.from_rounds(b, c), case.size_class)}) if ab else {}
+    return SimpleNamespace(
+        kernel={case.id: result},
+        e2e={},
+        judgements=judgements,
+        copy_gbps=3000.0,
+        gpu=GPU,
+        host_overhead_us={"ours": 19.0},
+        schedule=policy.SCHEDULE,
+        started=0.0,
+        describe_sides=lambda: ["candidate: here"],
+    )
+
+
+def test_summary_table_drops_columns_nobody_has(tmp_path, monkeypatch):
+    step = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    session = _fake_session()
+    out = report.write_outputs(session, {}, "drift check: not run", gate.EXIT_OK, tmp_path / "out")
+    md = out["markdown"].read_text()
+    assert "cand/base" in md and "SAME" in md and "gate: PASS" in md and "drift %" not in md
+    assert step.read_text() == md
+    assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    alone = report.render(_fake_session(ab=False), {}, "drift check: not run", gate.EXIT_OK, "simple")
+    assert "cand/base" not in alone and "x bnb kernel" in alone
+    verdicts = report.verdicts(session, {}, gate.EXIT_UNDECIDED)
+    assert verdicts["status"] == gate.EXIT_UNDECIDED
+    assert verdicts["cases"]["llama-3.3-70b.gate_proj-nf4-fp16-bs64-nested"]["verdict"] == "SAME"
+    assert "undecided" in report.STATUS_LINES[gate.EXIT_UNDECIDED]
+
+
+# -- sides ------------------------------------------------------------------------------------
+
+
+def _fake_checkout(root, label: str):
+    pkg = root / "harness"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(f"""
+        LABEL = {label!r}
+        def dequantize_4bit(*args):
+            from harness import late  # imported at call time: must be this side's module
+            return late.LABEL
+        def patch_bitsandbytes(): pass
+        def unpatch_bitsandbytes(): pass
+        """)
+    )
+    (pkg / "late.py").write_text(f"LABEL = {label!r}\n")
+    return root
+
+
+def test_sides_run_their_own_code_beside_the_judge(tmp_path):
+    import harness
+
+    judge_harness = sys.modules["harness"]
+    base = sides.Side("base", _fake_checkout(tmp_path / "base", "base"))
+    cand = sides.Side("candidate", _fake_checkout(tmp_path / "cand", "candidate"))
+    assert sys.modules["harness"] is judge_harness is harness  # the judge's package is back
+    with cand.active():
+        assert cand.dequantize_4bit() == "candidate"
+    with base.active():
+        assert base.dequantize_4bit() == "base"
+    assert sys.modules["harness"] is judge_harness and "harness.late" not in sys.modules
+    with pytest.raises(FileNotFoundError, match="no harness package"):
+        sides.Side("x", tmp_path)
+
+
+# -- fixtures and tools -----------------------------------------------------------------------
+
+
+def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
+    from harness import jit
+    from harness.variants import KernelVariant
+    from tests.perf import planted
+
+    source = (tmp_path / "k.cu", tmp_path / "k32.cu")
+    from harness.perf.session import JUDGE_ROOT
+
+    original = (JUDGE_ROOT / planted.KERNEL).read_text()
+    source[0].write_text(planted.planted_source(original, 0.02))
+    source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
+    assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()
+    for path in source:
+        for out in ("fp16", "fp32"):
+            v = KernelVariant("nf4", out, True)
+            spec = jit.CompileSpec(source=path, arch="sm_90", macros=v.macros(), label=v.name)
+            assert jit.compile_kernel(spec, use_cache=False).cubin
+    with pytest.raises(ValueError, match="anchor"):
+        planted.planted_source(original.replace(planted.START_ANCHOR, ""), 0.02)
+
+
+def test_gate_rates_summary():
+    from tests.perf import gate_rates
+
+    def session(status, verdicts):
+        cases = {
+            "big-fp16": {"class": "large", "verdict": verdicts[0], "ratio": 1.02},
+            "big-fp32-x": {"class": "large", "verdict": verdicts[1], "ratio": 1.0},
+            "tiny-fp16": {"class": "small", "verdict": verdicts[2], "ratio": 1.02},
+        }
+        return {"status": status, "wall_s": 10.0, "cases": cases}
+
+    rows = gate_rates.summarize(
+        "plant:0.02",
+        [
+            session(1, ["SLOWER", "SLOWER", "SLOWER"]),
+            session(1, ["SLOWER", "SLOWER", "SAME"]),
+            session(0, ["SAME", "SAME", "SAME"]),
+        ],
+    )
+    assert rows["red"] == 2 and rows["every large SLOWER"] == 2 and rows["every case SLOWER"] == 1
+    fp32 = gate_rates.summarize("fp32:0.1", [session(1, ["SAME", "SLOWER", "SAME"])])
+    assert fp32["only fp32 SLOWER"] == 1
+
+
+def test_stop_and_throttle_rules():
+    assert not StopRule(min_samples=3).done([1.0, 1.0], 2, 0.0)
+    assert StopRule(min_samples=3).done([1.0, 1.0, 1.0], 3, 0.0)
+    assert StopRule(budget_s=0.1).done([1.0, 2.0], 2, 0.2)
+    assert not StopRule(min_samples=3).done([1.0, 2.0, 3.0], 3, 0.0)  # too noisy, budget left
+    assert relative_noise([1.0, 1.0]) == 0.0
+    assert ThrottleRule().keep(1800, 1755) and not ThrottleRule().keep(1000, 1755)
+    assert ThrottleRule().keep(None, 1755)
+
+
+def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_info.nvml_device(0) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpu_info.nvml_device(1) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert gpu_info.nvml_device(0) == "GPU-abc"
 
 
 @pytest.mark.parametrize(
@@ -100,33 +380,3 @@ def test_machine_info_without_nvml_says_so(monkeypatch):
         gpu_info.gpu_identity.cache_clear()
     assert info["gpu"]["nvml"].startswith("unavailable")
     assert "torch" in info["software"]
-
-
-def test_stop_and_throttle_rules():
-    assert not StopRule(min_samples=3).done([1.0, 1.0], 2, 0.0)
-    assert StopRule(min_samples=3).done([1.0, 1.0, 1.0], 3, 0.0)
-    assert StopRule(budget_s=0.1).done([1.0, 2.0], 2, 0.2)
-    assert not StopRule(min_samples=3).done([1.0, 2.0, 3.0], 3, 0.0)  # too noisy, budget left
-    assert relative_noise([1.0, 1.0]) == 0.0
-    assert ThrottleRule().keep(1800, 1755) and not ThrottleRule().keep(1000, 1755)
-    assert ThrottleRule().keep(None, 1755)
-
-
-def _row(case, pct, verdict_name="SAME"):
-    return {
-        "case": case, "median_us": 100.0, "noise": 0.004, "gbps": 2900.0, "pct_copy": pct, "per_call_us": 104.0,
-        "x_bnb_kernel": 1.3, "x_bnb_full": 1.4, "x_bnb_full_per_call": 1.5, "baseline_us": 99.0, "delta": 0.01,
-        "verdict": verdict_name, "bnb_kernel_pct_copy": 70.0, "bnb_full_pct_copy": 60.0,
-    }  # fmt: skip
-
-
-def test_summary_markdown_plot_and_job_summary(tmp_path, monkeypatch):
-    step = tmp_path / "step.md"
-    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
-    results = [_row("llama.q", 95.0), _row("qwen.k", 80.0, "SLOWER")]
-    out = report.write_outputs(results, ["GPU: test"], tmp_path / "out")
-    md = out["markdown"].read_text()
-    assert "| llama.q" in md and "SLOWER" in md and "x bnb kernel" in md
-    assert step.read_text() == md
-    assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "qwen.k" in report.render(results, [], "simple")

@@ -4,6 +4,7 @@ plus the software versions that shape the numbers. Without NVML (a CPU box) it s
 from __future__ import annotations
 
 import functools
+import os
 import re
 from importlib import metadata
 
@@ -42,16 +43,33 @@ def _call(fn, *args):
         return None
 
 
+def nvml_device(cuda_index: int = 0) -> int | str:
+    """NVML's name for CUDA device ``cuda_index`` of this process: CUDA numbers the GPUs that
+    ``CUDA_VISIBLE_DEVICES`` leaves visible, NVML all of them (an index, or a UUID if given so)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return cuda_index
+    entry = visible[cuda_index]
+    return int(entry) if entry.isdigit() else entry
+
+
+def _handle(pynvml, device: int | str):
+    if isinstance(device, str):
+        return pynvml.nvmlDeviceGetHandleByUUID(device)
+    return pynvml.nvmlDeviceGetHandleByIndex(device)
+
+
 @functools.cache
-def gpu_identity(index: int = 0) -> dict:
-    """NVML facts about GPU ``index``; ``{"nvml": "unavailable: ..."}`` where NVML is missing."""
+def gpu_identity(index: int | str = 0) -> dict:
+    """NVML facts about NVML device ``index`` (see ``nvml_device``); ``{"nvml": "unavailable: ..."}``
+    where NVML is missing."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception as exc:
         return {"nvml": f"unavailable: {exc}"}
-    h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    h = _handle(pynvml, index)
     text = lambda v: v.decode() if isinstance(v, bytes) else v  # noqa: E731 - older bindings return bytes
     bus_width = _call(pynvml.nvmlDeviceGetMemoryBusWidth, h)
     mem_clock = _call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM)
@@ -83,18 +101,18 @@ def gpu_identity(index: int = 0) -> dict:
     }
 
 
-def sm_clock_reader(index: int = 0):
+def sm_clock_reader(index: int | str = 0):
     """A callable returning (current SM MHz, default SM MHz) through NVML, or (None, None)."""
     ident = gpu_identity(index)
     if ident.get("nvml") != "ok":
         return lambda: (None, None)
     import pynvml
 
-    h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    h = _handle(pynvml, index)
     default = ident["default_sm_clock_mhz"]
     return lambda: (_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM), default)
 
 
-def machine_info(index: int = 0) -> dict:
+def machine_info(index: int | str = 0) -> dict:
     """What the benchmark JSON's machine_info gets: GPU identity plus software versions."""
     return {"gpu": gpu_identity(index), "software": software_versions()}

@@ -140,23 +140,35 @@ class ColdL2Timer:
             (self.flag.data_ptr(), self.timed_out.data_ptr(), BLOCK_TIMEOUT_NS),
         )
 
+    def _steps(
+        self, stream: torch.cuda.Stream, fn: Callable[[], object]
+    ) -> tuple[tuple[State, Callable[[], object]], ...]:
+        """The sample's states in order, each with the action it performs."""
+        return (
+            (State.FLUSH_L2, lambda: self.flush_buffer.fill_(1)),
+            (State.BLOCK, lambda: self._block(stream)),
+            (State.RECORD_START, lambda: self.start.record(stream)),
+            (State.LAUNCH, fn),
+            (State.RECORD_STOP, lambda: self.stop_event.record(stream)),
+            (State.RELEASE, lambda: self.flag.fill_(1)),
+            (State.READ, self.stop_event.synchronize),
+        )
+
     def sample(self, fn: Callable[[], object]) -> tuple[float, float | None]:
-        """One cold-L2, gap-free sample of ``fn``: (GPU seconds, SM clock in MHz or None)."""
+        """One cold-L2, gap-free sample of ``fn``: (GPU seconds, SM clock in MHz or None).
+
+        A failure names the state it happened in; the stream is released before it propagates,
+        so a failed launch never leaves the blocking kernel spinning."""
         stream = torch.cuda.current_stream(self.device)
-        self.state = State.FLUSH_L2
-        self.flush_buffer.fill_(1)
-        self.state = State.BLOCK
-        self._block(stream)
-        self.state = State.RECORD_START
-        self.start.record(stream)
-        self.state = State.LAUNCH
-        fn()
-        self.state = State.RECORD_STOP
-        self.stop_event.record(stream)
-        self.state = State.RELEASE
-        self.flag.fill_(1)
-        self.state = State.READ
-        self.stop_event.synchronize()
+        for state, action in self._steps(stream, fn):
+            self.state = state
+            try:
+                action()
+            except Exception as exc:
+                self.flag.fill_(1)
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"(raised in the GPU timer's {state.name} state)")
+                raise
         if int(self.timed_out.item()):
             self.timed_out.zero_()
             raise RuntimeError("the blocking kernel timed out: the timed work took too long to enqueue")
@@ -164,18 +176,31 @@ class ColdL2Timer:
         current, _ = self.clock()
         return elapsed_s, current
 
+    def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
+        """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):
+        one batch of an A/B round, where the round count, not the batch, adapts to the noise."""
+        self._warm_up(fn, warmup)
+        return self._collect(fn, lambda kept, taken, _: len(kept) < samples and taken < 3 * samples)
+
     def measure(self, fn: Callable[[], object], warmup: int = 3) -> Measurement:
         """Warm up (compilation, caches of the host side), then sample under the rules."""
         return self.measure_with(fn, self.stop, warmup)
 
     def measure_with(self, fn: Callable[[], object], stop: StopRule, warmup: int = 3) -> Measurement:
-        for _ in range(warmup):
+        self._warm_up(fn, warmup)
+        return self._collect(fn, lambda kept, taken, elapsed: not stop.done(kept, taken, elapsed))
+
+    def _warm_up(self, fn: Callable[[], object], calls: int) -> None:
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize(self.device)
+
+    def _collect(self, fn: Callable[[], object], more: Callable[[list[float], int, float], bool]) -> Measurement:
+        """Sample while ``more(kept, taken, elapsed_s)``; the throttle rule decides what is kept."""
         kept, clocks, discarded, taken = [], [], 0, 0
         t0 = time.perf_counter()
         _, default = self.clock()
-        while not stop.done(kept, taken, time.perf_counter() - t0):
+        while more(kept, taken, time.perf_counter() - t0):
             elapsed, sm = self.sample(fn)
             taken += 1
             if self.throttle.keep(sm, default):

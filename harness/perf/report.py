@@ -1,119 +1,241 @@
-"""The perf summary: one row per case, printed, written as Markdown (and to the GitHub job
-summary when ``GITHUB_STEP_SUMMARY`` is set), and one plot of % of copy bandwidth per case."""
+"""The perf summary: printed, written as Markdown (and to the GitHub job summary when
+``GITHUB_STEP_SUMMARY`` is set), plus one plot of % of copy bandwidth per case.
+
+Both tables are driven by one column table (``COLUMNS``): each row is a dict of values, each
+column names its key, header and format, and a column with no value in any row is left out (a
+session without a base has no ratio columns, one without a stored baseline no drift columns).
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
 
-HEADERS = [
-    "case",
-    "µs",
-    "noise %",
-    "GB/s",
-    "% copy",
-    "% same-size copy",
-    "µs/call",
-    "x bnb kernel",
-    "x bnb full",
-    "x bnb full/call",
-    "x triton",
-    "x torchao",
-    "baseline µs",
-    "Δ %",
-    "verdict",
-]
+from harness.perf import gate, policy
+from harness.perf.baseline import DriftRow
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    fmt: str = ""  # format spec for numbers; strings are shown as they are
 
 
-def rows(results: list[dict]) -> list[list[str]]:
-    out = []
-    for r in results:
-        out.append(
-            [
-                r["case"],
-                _fmt(r["median_us"], ".1f"),
-                _fmt(r["noise"] * 100, ".2f"),
-                _fmt(r["gbps"], ".0f"),
-                _fmt(r["pct_copy"], ".1f"),
-                _fmt(r.get("pct_same_size_copy"), ".1f"),
-                _fmt(r["per_call_us"], ".1f"),
-                _fmt(r["x_bnb_kernel"], ".2f"),
-                _fmt(r["x_bnb_full"], ".2f"),
-                _fmt(r["x_bnb_full_per_call"], ".2f"),
-                _fmt(r.get("x_triton"), ".2f"),
-                _fmt(r.get("x_torchao"), ".2f"),
-                _fmt(r.get("baseline_us"), ".1f"),
-                _fmt(None if r.get("delta") is None else r["delta"] * 100, "+.1f"),
-                r.get("verdict", "—"),
-            ]
-        )
-    return out
+COLUMNS = (
+    Column("case", "case"),
+    Column("class", "class"),
+    Column("base_us", "base µs", ".2f"),
+    Column("cand_us", "cand µs", ".2f"),
+    Column("ratio", "cand/base", ".4f"),
+    Column("interval", f"{policy.CASE_CONFIDENCE:.0%} interval"),
+    Column("threshold_pct", "threshold %", ".1f"),
+    Column("p_adjusted", "p (Holm)", ".1e"),
+    Column("rounds", "rounds", "d"),
+    Column("verdict", "verdict"),
+    Column("same_output", "same bits"),
+    Column("pct_copy", "% copy", ".1f"),
+    Column("pct_same_size_copy", "% same-size copy", ".1f"),
+    Column("x_bnb_kernel", "x bnb kernel", ".2f"),
+    Column("x_bnb_full", "x bnb full", ".2f"),
+    Column("baseline_us", "baseline µs", ".3g"),
+    Column("drift_pct", "drift %", "+.1f"),
+    Column("tolerance_pct", "tolerance %", ".1f"),
+    Column("drift", "drift"),
+)
 
 
-E2E_HEADERS = ["end-to-end case", "patched ms", "unpatched ms", "speed-up", "noise %", "baseline ms", "Δ %", "verdict"]
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "—"
+    return format(value, fmt) if fmt and not isinstance(value, str) else str(value)
 
 
-def e2e_rows(e2e: list[dict]) -> list[list[str]]:
-    return [
-        [
-            r["case"],
-            _fmt(r["ours_ms"], ".2f"),
-            _fmt(r["bnb_ms"], ".2f"),
-            _fmt(r["speedup"], ".3f"),
-            _fmt(r["noise"] * 100, ".2f"),
-            _fmt(r.get("baseline_ms"), ".2f"),
-            _fmt(None if r.get("delta") is None else r["delta"] * 100, "+.1f"),
-            r.get("verdict", "—"),
-        ]
-        for r in e2e
+def table(rows: list[Mapping], fmt: str, columns: tuple[Column, ...] = COLUMNS) -> str:
+    shown = [c for c in columns if any(r.get(c.key) is not None for r in rows)]
+    body = [[_cell(r.get(c.key), c.fmt) for c in shown] for r in rows]
+    return tabulate(body, headers=[c.header for c in shown], tablefmt=fmt, disable_numparse=True)
+
+
+def _drift_values(drift: DriftRow | None) -> dict:
+    if drift is None:
+        return {}
+    return {
+        "baseline_us": drift.baseline_us,
+        "drift_pct": None if drift.change is None else 100 * drift.change,
+        "tolerance_pct": None if drift.tolerance is None else 100 * drift.tolerance,
+        "drift": drift.status,
+    }
+
+
+def kernel_rows(session, drift: Mapping[str, DriftRow]) -> list[dict]:
+    """One row per kernel case of a ``harness.perf.session.PerfSession``."""
+    rows = []
+    for cid, r in session.kernel.items():
+        us = r.candidate_us
+        refs = r.references_s
+        row = {
+            "case": cid,
+            "class": r.case.size_class.name,
+            "base_us": r.base_us,
+            "cand_us": us,
+            "same_output": r.same_output,
+            "pct_copy": 100 * r.case.bytes_moved() / (us * 1e-6) / 1e9 / session.copy_gbps,
+            "pct_same_size_copy": 100 * refs["same_size_copy"] / (us * 1e-6) if "same_size_copy" in refs else None,
+            "x_bnb_kernel": refs["bnb_kernel"] / (us * 1e-6) if "bnb_kernel" in refs else None,
+            "x_bnb_full": refs["bnb_full"] / (us * 1e-6) if "bnb_full" in refs else None,
+            **_drift_values(drift.get(cid)),
+        }
+        if (j := session.judgements.get(cid)) is not None:
+            low, high = j.interval
+            row |= {
+                "ratio": j.ratio,
+                "interval": f"[{low:.4f}, {high:.4f}]",
+                "threshold_pct": 100 * j.size_class.threshold,
+                "p_adjusted": j.p_adjusted,
+                "rounds": j.paired.rounds,
+                "verdict": str(j.verdict),
+            }
+        rows.append(row)
+    return rows
+
+
+def e2e_rows(session) -> list[dict]:
+    rows = []
+    for name, r in session.e2e.items():
+        row = {"case": name, "cand_ms": 1e3 * statistics.median(r.cand_rounds_s)}
+        if (p := r.paired) is not None:
+            low, high = p.interval(policy.CASE_CONFIDENCE)
+            row |= {
+                "base_ms": 1e3 * statistics.median(r.base_rounds_s),
+                "ratio": p.ratio,
+                "interval": f"[{low:.3f}, {high:.3f}]",
+                "rounds": p.rounds,
+                "verdict": "report-only",
+            }
+        rows.append(row)
+    return rows
+
+
+E2E_COLUMNS = (
+    Column("case", "end-to-end case"),
+    Column("base_ms", "base ms", ".2f"),
+    Column("cand_ms", "cand ms", ".2f"),
+    Column("ratio", "cand/base", ".3f"),
+    Column("interval", f"{policy.CASE_CONFIDENCE:.0%} interval"),
+    Column("rounds", "rounds", "d"),
+    Column("verdict", "verdict"),
+)
+
+
+def header_lines(session, drift_line: str, status: int) -> list[str]:
+    gpu = session.gpu
+    lines = [
+        f"GPU: {gpu.get('name')} (driver {gpu.get('driver')}, SM clock default {gpu.get('default_sm_clock_mhz')} MHz)",
+        *session.describe_sides(),
+        f"copy bandwidth this run: {session.copy_gbps:.0f} GB/s (read + write); "
+        f"NVML theoretical: {gpu.get('theoretical_gbps') or 0:.0f} GB/s",
     ]
+    if session.host_overhead_us:
+        lines.append(
+            "host time per call (candidate; validation + launch, no GPU wait): "
+            + ", ".join(f"{k} {v:.1f} µs" for k, v in session.host_overhead_us.items())
+        )
+    if session.judgements:
+        classes = ", ".join(f"{c.name} {100 * c.threshold:.1f}%" for c in policy.SIZE_CLASSES)
+        lines.append(
+            f"A/B: {session.schedule.rounds}+ ABBA rounds of {session.schedule.samples} launches per side per batch; "
+            f"thresholds {classes}; family-wise alpha {policy.FAMILY_ALPHA} (Holm)"
+        )
+        lines.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in gate.counts(session.judgements).items()))
+        if any(r.same_output is False for r in session.kernel.values()):
+            lines.append("note: base and candidate outputs differ on some case (column `same bits`)")
+    lines.append(drift_line)
+    lines.append(f"session wall time: {time.perf_counter() - session.started:.0f} s")
+    lines.append(STATUS_LINES[status])
+    return lines
 
 
-def render(results: list[dict], header_lines: list[str], fmt: str, e2e: list[dict] = ()) -> str:
+STATUS_LINES = {
+    gate.EXIT_OK: "gate: PASS (every gated case SAME or FASTER, no drift past the stored baseline)",
+    gate.EXIT_REGRESSION: "gate: FAIL, regression (a case SLOWER than the base, or drifted past the stored baseline)",
+    gate.EXIT_ERROR: "gate: FAIL, some cases could not be measured (see the failures above)",
+    gate.EXIT_UNDECIDED: (
+        "gate: FAIL, undecided (no regression found, but a case is still AMBIGUOUS after every re-measurement: "
+        "re-run the job, or look at that case's rounds in benchmark.json)"
+    ),
+}
+
+
+def render(session, drift: Mapping[str, DriftRow], drift_line: str, status: int, fmt: str) -> str:
     sep = "\n\n" if fmt == "github" else "\n"
-    parts = [*header_lines]
-    if results:
-        parts.append(tabulate(rows(results), headers=HEADERS, tablefmt=fmt, disable_numparse=True))
-    if e2e:
-        parts.append(tabulate(e2e_rows(e2e), headers=E2E_HEADERS, tablefmt=fmt, disable_numparse=True))
+    parts = header_lines(session, drift_line, status)
+    if session.kernel:
+        parts.append(table(kernel_rows(session, drift), fmt))
+    if session.e2e:
+        parts.append(table(e2e_rows(session), fmt, E2E_COLUMNS))
     return sep.join(parts) + "\n"
 
 
-def write_outputs(results: list[dict], header_lines: list[str], out_dir: Path, e2e: list[dict] = ()) -> dict[str, Path]:
+def verdicts(session, drift: Mapping[str, DriftRow], status: int) -> dict:
+    """The machine-readable outcome: exit status and one entry per case."""
+    rows = {r["case"]: r for r in kernel_rows(session, drift) + e2e_rows(session)}
+    keys = (
+        "class",
+        "base_us",
+        "cand_us",
+        "ratio",
+        "interval",
+        "p_adjusted",
+        "rounds",
+        "verdict",
+        "same_output",
+        "drift",
+    )
+    return {"status": status, "cases": {c: {k: r.get(k) for k in keys} for c, r in rows.items()}}
+
+
+def write_outputs(session, drift, drift_line: str, status: int, out_dir: Path) -> dict[str, Path | None]:
     """Markdown summary, plot, and the job summary when running under GitHub Actions."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = render(results, header_lines, "github", e2e)
+    markdown = render(session, drift, drift_line, status, "github")
     md_path = out_dir / "perf-summary.md"
     md_path.write_text(markdown)
     if step_summary := os.environ.get("GITHUB_STEP_SUMMARY"):
         with open(step_summary, "a") as fh:
             fh.write(markdown)
-    return {"markdown": md_path, "plot": plot(results, out_dir / "perf-copy-bandwidth.png") if results else None}
+    rows = kernel_rows(session, drift)
+    return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if rows else None}
 
 
-def plot(results: list[dict], path: Path) -> Path:
-    """% of the same-run copy bandwidth per case: ours next to bitsandbytes' kernel and full path."""
+def plot(rows: list[dict], path: Path) -> Path:
+    """% of the same-run copy bandwidth per case: the candidate next to bitsandbytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["case"] for r in results]
-    series = {
-        "nf4-harness": [r["pct_copy"] for r in results],
-        "bitsandbytes kernel": [r["bnb_kernel_pct_copy"] for r in results],
-        "bitsandbytes dequantize_4bit": [r["bnb_full_pct_copy"] for r in results],
-    }
+    names = [r["case"] for r in rows]
+    series = {"nf4-harness (candidate)": [r["pct_copy"] for r in rows]}
+    if all(r.get("x_bnb_kernel") for r in rows):
+        series["bitsandbytes kernel"] = [r["pct_copy"] / r["x_bnb_kernel"] for r in rows]
+    if all(r.get("x_bnb_full") for r in rows):
+        series["bitsandbytes dequantize_4bit"] = [r["pct_copy"] / r["x_bnb_full"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(names) + 3), 5.5))
-    width = 0.27
+    width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
-        ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label)
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(names))], values, width, label=label)
     ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("% of same-run device-to-device copy bandwidth")

@@ -1,0 +1,212 @@
+"""Stored baselines: the long-range drift guard, one file per GPU model.
+
+The A/B gate compares a pull request with its base, so it cannot see a slowdown that arrives a
+little at a time, each step under the threshold. The stored baseline can: every gate run also
+compares the candidate's absolute time with the pinned value for its GPU model, with a tolerance
+derived from how much that value moved between the sessions (machines) it was recorded from.
+
+``baselines/<gpu-slug>.json``:
+
+    {"schema": 2, "gpu": {...}, "sessions": N, "cases": {case: {"us": ..., "spread": ...}}}
+
+``us`` is the median over sessions of each session's median GPU time, rounded to three
+significant digits; ``spread`` the largest relative distance of a session from it, rounded up to
+0.1%. Re-recording keeps an entry whose value moved by less than the case's threshold (and whose
+spread did not grow), so re-recording unchanged code rewrites no line.
+
+A session writes a *record* (``session_record``); ``python -m harness.perf.baseline RECORD...``
+combines records from several sessions, on several machines where available, into the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.perf import policy
+from harness.perf.stats import relative_spread
+
+SCHEMA = 2
+SAVE_COMMAND = "nox -s perf -- --save-baseline"
+GPU_KEYS = ("name", "driver", "cuda_driver", "default_sm_clock_mhz", "max_sm_clock_mhz")
+
+
+@dataclass(frozen=True)
+class Entry:
+    us: float
+    spread: float
+    numel: int
+
+    def tolerance(self) -> float:
+        return policy.drift_tolerance(policy.size_class(self.numel), self.spread)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    path: Path
+    gpu: dict
+    sessions: int
+    cases: dict[str, Entry]
+
+
+def round_us(us: float) -> float:
+    """Three significant digits: a re-recording that moved less than the threshold keeps the old
+    value anyway, this only keeps the file readable."""
+    if us <= 0:
+        raise ValueError(f"a time must be positive, got {us}")
+    return round(us, 2 - math.floor(math.log10(us)))
+
+
+def round_spread(spread: float) -> float:
+    """Up to the next 0.1%, so a rounded spread never understates what was measured."""
+    return math.ceil(round(spread * 1000, 6)) / 1000
+
+
+def path_for(gpu: dict, directory: Path) -> Path:
+    return directory / f"{gpu['slug']}.json"
+
+
+def load(gpu: dict, directory: Path) -> tuple[Baseline | None, str]:
+    """The baseline for this GPU model, or None with the one line that says why not."""
+    if gpu.get("nvml") != "ok":
+        return None, f"drift check: no GPU identity (NVML {gpu.get('nvml')}), so no baseline to compare with"
+    path = path_for(gpu, directory)
+    if not path.exists():
+        return None, (
+            f"drift check: not run, no stored baseline for {gpu['name']} ({path.name}); "
+            f"record one with `{SAVE_COMMAND}` (the A/B gate above is complete without it)"
+        )
+    data = json.loads(path.read_text())
+    if data.get("schema") != SCHEMA:
+        return None, f"drift check: not run, {path.name} has schema {data.get('schema')}, expected {SCHEMA}; re-record"
+    if data["gpu"].get("name") != gpu["name"]:
+        return None, f"drift check: not run, {path.name} was recorded on {data['gpu'].get('name')!r}"
+    cases = {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+    note = "; ".join(
+        f"{k} was {data['gpu'].get(k)}, now {gpu.get(k)}" for k in GPU_KEYS[1:] if data["gpu"].get(k) != gpu.get(k)
+    )
+    line = f"drift check: against {path.name} ({data['sessions']} sessions)" + (f"; {note}" if note else "")
+    return Baseline(path, data["gpu"], data["sessions"], cases), line
+
+
+def session_record(gpu: dict, software: dict, medians_us: Mapping[str, float], numels: Mapping[str, int]) -> dict:
+    """What one session contributes to a baseline: its per-case median GPU times."""
+    return {
+        "schema": SCHEMA,
+        "gpu": {k: gpu.get(k) for k in (*GPU_KEYS, "slug", "uuid")},
+        "software": software,
+        "cases": {c: {"us": medians_us[c], "numel": numels[c]} for c in sorted(medians_us)},
+    }
+
+
+def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
+    """(gpu, sessions, entries) from session records of one GPU model; a case must be in all."""
+    records = list(records)
+    if not records:
+        raise ValueError("no session records to combine")
+    names = {r["gpu"]["name"] for r in records}
+    if len(names) != 1:
+        raise ValueError(f"records from different GPU models cannot be combined: {sorted(names)}")
+    common = set.intersection(*(set(r["cases"]) for r in records))
+    entries = {}
+    for case in sorted(common):
+        values = [r["cases"][case]["us"] for r in records]
+        entries[case] = Entry(
+            round_us(statistics.median(values)),
+            round_spread(relative_spread(values)),
+            records[0]["cases"][case]["numel"],
+        )
+    return records[-1]["gpu"], len(records), entries
+
+
+def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry]:
+    """The entries to write: an old entry survives when the new value is within the case's
+    threshold of it and its spread did not grow; cases only in ``old`` are kept."""
+    out = dict(old)
+    for case, entry in new.items():
+        prev = old.get(case)
+        threshold = policy.size_class(entry.numel).threshold
+        if prev is not None and abs(entry.us / prev.us - 1) <= threshold and entry.spread <= prev.spread:
+            continue
+        out[case] = entry
+    return dict(sorted(out.items()))
+
+
+def render(gpu: dict, sessions: int, entries: Mapping[str, Entry]) -> str:
+    """The file's text: one case per line, so a changed value is a one-line diff."""
+    head = {"schema": SCHEMA, "gpu": {k: gpu.get(k) for k in GPU_KEYS}, "sessions": sessions}
+    lines = [json.dumps(head, indent=1)[:-2] + ",", ' "cases": {']
+    items = list(entries.items())
+    for i, (case, e) in enumerate(items):
+        body = json.dumps({"us": e.us, "spread": e.spread, "numel": e.numel})
+        lines.append(f"  {json.dumps(case)}: {body}" + ("," if i < len(items) - 1 else ""))
+    lines += [" }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def save(records: Iterable[dict], directory: Path) -> Path:
+    """Combine session records and merge them into this GPU model's baseline file; a file whose
+    entries all survive the merge is left untouched."""
+    gpu, sessions, entries = combine(records)
+    path = path_for(gpu, directory)
+    old: dict[str, Entry] = {}
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("schema") == SCHEMA:
+            old = {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+    merged = merge(old, entries)
+    if merged != old or not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(gpu, sessions, merged))
+    return path
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    case: str
+    baseline_us: float | None
+    measured_us: float
+    tolerance: float | None
+    status: str  # OK, DRIFTED (slower past tolerance), STALE (faster past it), MISSING
+
+    @property
+    def change(self) -> float | None:
+        return None if self.baseline_us is None else self.measured_us / self.baseline_us - 1
+
+
+def check_drift(baseline: Baseline, measured_us: Mapping[str, float]) -> dict[str, DriftRow]:
+    """Each measured case against its pinned value and tolerance."""
+    rows = {}
+    for case, us in measured_us.items():
+        entry = baseline.cases.get(case)
+        if entry is None:
+            rows[case] = DriftRow(case, None, us, None, "MISSING")
+            continue
+        tol = entry.tolerance()
+        change = us / entry.us - 1
+        status = "DRIFTED" if change > tol else "STALE" if change < -tol else "OK"
+        rows[case] = DriftRow(case, entry.us, us, tol, status)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.perf.baseline",
+        description="Combine perf session records (one per session/machine) into baselines/<gpu>.json.",
+    )
+    parser.add_argument("records", nargs="+", type=Path, help="session-record.json files written by nox -s perf")
+    parser.add_argument("--dir", type=Path, default=Path("baselines"), help="baseline directory (default: baselines)")
+    args = parser.parse_args(argv)
+    path = save((json.loads(p.read_text()) for p in args.records), args.dir)
+    print(f"baseline: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

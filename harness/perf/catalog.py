@@ -1,0 +1,83 @@
+"""The perf session's cases: which weights, dtypes and formats the gate times.
+
+Every unique weight shape of the paper's three models at the deployed configurations (nf4,
+block size 64, fp16 and bf16 output, nested and plain scales), plus fp4, fp32 output and other
+block sizes on a few shapes. The judge reads this list from the base revision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import shapes
+from harness.perf import policy
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    weight: shapes.WeightShape
+    dtype: str  # fp16 / bf16 / fp32
+    scales: str  # nested / plain
+    quant: str = "nf4"
+    blocksize: int = 64
+
+    @property
+    def id(self) -> str:
+        return f"{self.weight.id}-{self.quant}-{self.dtype}-bs{self.blocksize}-{self.scales}"
+
+    @property
+    def numel(self) -> int:
+        return self.weight.numel
+
+    @property
+    def nested(self) -> bool:
+        return self.scales == "nested"
+
+    @property
+    def size_class(self) -> policy.SizeClass:
+        return policy.size_class(self.numel)
+
+    def spec(self, seed: int) -> dict:
+        """What a measuring process needs to build this case's inputs (JSON)."""
+        return {
+            "shape": list(self.weight.shape),
+            "quant": self.quant,
+            "blocksize": self.blocksize,
+            "nested": self.nested,
+            "dtype": self.dtype,
+            "seed": seed,
+            "bytes": self.bytes_moved(),
+        }
+
+    def bytes_moved(self) -> int:
+        """Fewest bytes the dequantization must move: packed input, output, scales."""
+        n = self.numel
+        nblocks = -(-n // self.blocksize)
+        scales = nblocks + -(-nblocks // 256) * 4 + 1024 if self.nested else nblocks * 4
+        itemsize = 4 if self.dtype == "fp32" else 2
+        return (n + 1) // 2 + n * itemsize + scales
+
+
+def kernel_cases() -> list[KernelCase]:
+    out = [
+        KernelCase(w, dtype, scales)
+        for w in shapes.model_shapes()
+        for dtype in ("fp16", "bf16")
+        for scales in ("nested", "plain")
+    ]
+    by_id = {w.id: w for w in shapes.model_shapes()}
+    gate, q, k = by_id["llama-3.3-70b.gate_proj"], by_id["qwen3-32b.q_proj"], by_id["qwen3-32b.k_proj"]
+    out += [
+        KernelCase(gate, "fp16", "nested", "fp4"),
+        KernelCase(gate, "fp32", "nested"),
+        KernelCase(q, "fp16", "nested", blocksize=128),
+        KernelCase(q, "fp16", "nested", blocksize=4096),
+        KernelCase(k, "fp16", "nested", "fp4"),
+        KernelCase(k, "fp32", "plain"),
+    ]
+    return out
+
+
+# The end-to-end case: one QLoRA training step (forward, loss, backward) of a 2-layer
+# Llama-3.3-70B-sized model with the patch applied; report-only (see policy/README).
+E2E_STEP = "e2e-qlora-llama-3.3-70b-2layers-step"

@@ -1,0 +1,71 @@
+"""What the perf gate calls a regression, and how hard it looks: data, kept apart from the code.
+
+Two different questions, two different numbers:
+
+* *Practical*: how large a slowdown is worth failing a pull request for. Per size class, because
+  the smaller the weight the more of its time is launch ramp and tail, and the more it moves
+  between identical runs. ``threshold`` below.
+* *Statistical*: how sure the gate must be that a slowdown is real. One family-wise error rate for
+  the whole session (Holm-Bonferroni over every gated case), and one per-case confidence for
+  proving a case unchanged.
+
+The numbers are justified in ``kernels/NOTES.md`` ("The A/B perf gate") with the A/A and planted
+slowdown sessions they came from. The judge always reads this module from the base revision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    """Weights of at least ``min_elements`` elements (and below the next class up)."""
+
+    name: str
+    min_elements: int
+    # Smallest candidate/base slowdown that fails the gate (a fraction: 0.01 is 1%).
+    threshold: float
+    # Smallest tolerance against the pinned baseline (the drift guard); the baseline's own
+    # between-session spread can widen it (``drift_tolerance``).
+    drift_floor: float
+
+
+# Largest first. Large: every MLP projection of the paper's models and the big attention ones.
+SIZE_CLASSES = (
+    SizeClass("large", 40_000_000, threshold=0.010, drift_floor=0.025),
+    SizeClass("mid", 16_000_000, threshold=0.015, drift_floor=0.04),
+    SizeClass("small", 0, threshold=0.025, drift_floor=0.08),
+)
+
+# Chance that a session of unchanged code calls any case SLOWER (or FASTER), all cases together.
+FAMILY_ALPHA = 0.01
+# A case is SAME only when this two-sided interval of its ratio lies inside +-threshold.
+CASE_CONFIDENCE = 0.99
+# The drift tolerance is at least this many times the baseline's between-session spread.
+DRIFT_SPREAD_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a case is measured: ``rounds`` ABBA rounds of ``samples`` cold-L2 launches per batch;
+    an AMBIGUOUS case gets ``remeasure_factor`` times its rounds again, up to ``max_rounds``."""
+
+    rounds: int = 8
+    samples: int = 12
+    remeasure_factor: int = 2
+    max_rounds: int = 32
+    # End-to-end steps: wall time per step, ``e2e_steps`` steps per batch.
+    e2e_rounds: int = 6
+    e2e_steps: int = 3
+
+
+SCHEDULE = Schedule()
+
+
+def size_class(numel: int) -> SizeClass:
+    return next(c for c in SIZE_CLASSES if numel >= c.min_elements)
+
+
+def drift_tolerance(cls: SizeClass, spread: float) -> float:
+    return max(cls.drift_floor, DRIFT_SPREAD_FACTOR * spread)

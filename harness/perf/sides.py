@@ -1,0 +1,94 @@
+"""The sides of an A/B session: checkouts whose own ``harness`` packages are measured.
+
+The measuring process holds the judge (the base revision's timer and input factory, loaded
+first) and every side at once, so both sides run in one CUDA context on the same input buffers,
+and the output buffer each call allocates comes back from PyTorch's caching allocator at the
+same address: the only difference between the sides is their code. (Measured on an H100: with
+one process per side, small nested-scale cases differed by up to 4% on identical code.)
+
+Each side's modules are imported under their real names, ``harness`` and ``harness.*``, from the
+side's checkout, then set aside; ``Side.active()`` puts them back into ``sys.modules`` while the
+side runs, so an import the side's code makes at call time finds its own modules too. Modules
+already loaded keep the modules they bound at import, whatever ``sys.modules`` holds later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+# Entry points every side must have: the drop-in contract both sides share.
+ENTRY_POINTS = ("dequantize_4bit", "patch_bitsandbytes", "unpatch_bitsandbytes")
+
+
+def _is_harness(name: str) -> bool:
+    return name == "harness" or name.startswith("harness.")
+
+
+def _take_harness_modules() -> dict[str, ModuleType]:
+    """Remove every ``harness`` module from ``sys.modules`` and return them."""
+    taken = {name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_harness(n)]}
+    importlib.invalidate_caches()
+    return taken
+
+
+class Side:
+    """One checkout's ``harness``, loaded beside whatever ``harness`` this process already has."""
+
+    def __init__(self, name: str, root: Path):
+        self.name, self.root = name, Path(root).resolve()
+        if not (self.root / "harness" / "__init__.py").is_file():
+            raise FileNotFoundError(f"{self.root} holds no harness package: not a checkout of this project")
+        previous = _take_harness_modules()
+        sys.path.insert(0, str(self.root))
+        try:
+            package = importlib.import_module("harness")
+            loaded_from = Path(package.__file__).resolve().parent.parent
+            if loaded_from != self.root:
+                raise ImportError(f"harness was imported from {loaded_from}, not from {self.root}")
+            # Resolve the entry points now (the package loads them lazily), while this side's
+            # modules are the ones in sys.modules.
+            self.entry = {e: getattr(package, e) for e in ENTRY_POINTS}
+        finally:
+            sys.path.remove(str(self.root))
+            self.modules = _take_harness_modules()
+            sys.modules.update(previous)
+
+    @contextlib.contextmanager
+    def active(self):
+        """This side's modules in ``sys.modules`` for the duration; the previous ones after."""
+        previous = _take_harness_modules()
+        sys.modules.update(self.modules)
+        try:
+            yield self
+        finally:
+            self.modules = _take_harness_modules()  # keep what the side imported meanwhile
+            sys.modules.update(previous)
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["entry"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def describe(root: Path) -> str:
+    """``<dir> @ <short commit>[+dirty]`` for the summary; just the directory outside git."""
+    root = Path(root).resolve()
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(root)
+    return f"{root} @ {rev}{'+dirty' if dirty else ''}"

@@ -1,0 +1,94 @@
+"""Planted regressions that prove the perf gate: a copy of a checkout whose kernel is deliberately
+slower, built in a temporary tree. A test fixture, never a switch in the product.
+
+The planted kernel stretches each launch's GPU time by a set fraction: every block notes when
+it started (the earliest start wins), and the last block to finish spins until the launch has
+taken ``1 + stretch`` times as long as it had when that block got there. The slowdown is the
+same fraction on every weight size, and optionally only in the fp32-output builds.
+
+    python -m tests.perf.planted DEST --stretch 0.02 [--only-fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+KERNEL = Path("kernels") / "dequantize_4bit.cu"
+ENTRY = 'extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel('
+# The kernel's first and last statements, where the planted code goes (each must occur once).
+START_ANCHOR = "    __shared__ __align__(16) float s_code[16];\n"
+END_ANCHOR = "        out[e] = to_out(mul_ftz(s_code[nib], scale));\n    }\n}\n"
+_COPY_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", ".nox", ".ci-venv", ".whl", ".hypothesis", "__pycache__", "perf-out*", ".benchmarks"
+)
+
+_GLOBALS = """// PLANTED SLOWDOWN (tests/perf/planted.py): state shared by the blocks of one launch.
+__device__ unsigned long long planted_start = ~0ull;
+__device__ unsigned int planted_done = 0;
+__device__ __forceinline__ unsigned long long planted_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+"""
+_AT_START = "    if (PLANTED_ON && threadIdx.x == 0) atomicMin(&planted_start, planted_now());\n"
+_AT_END = """    // PLANTED SLOWDOWN: the last block to finish stretches the launch by PLANTED_STRETCH.
+    // (No barrier or fence: a block counts as done when its thread 0 is, which keeps the
+    // planted code's own cost small.)
+    if (PLANTED_ON && threadIdx.x == 0) {
+        if (atomicAdd(&planted_done, 1u) + 1 == gridDim.x) {
+            const unsigned long long start = atomicAdd(&planted_start, 0ull);
+            const unsigned long long now = planted_now();
+            const unsigned long long until = now + (unsigned long long)((double)(now - start) * PLANTED_STRETCH);
+            while (planted_now() < until) {
+            }
+            atomicExch(&planted_start, ~0ull);  // ready for the next launch
+            atomicExch(&planted_done, 0u);
+        }
+    }
+"""
+
+
+def planted_source(source: str, stretch: float, only_fp32: bool = False) -> str:
+    """``source`` with the stretch planted (see the module docstring)."""
+    for anchor in (ENTRY, START_ANCHOR, END_ANCHOR):
+        if source.count(anchor) != 1:
+            raise ValueError(f"the kernel no longer has the planted slowdown's anchor {anchor.strip()!r}")
+    if not 0 < stretch < 10:
+        raise ValueError(f"stretch must be in (0, 10), got {stretch}")
+    macros = f"#define PLANTED_STRETCH {stretch!r}\n#define PLANTED_ON {'(DQ_OUT == 2)' if only_fp32 else '1'}\n"
+    source = source.replace(ENTRY, macros + _GLOBALS + ENTRY)
+    source = source.replace(START_ANCHOR, START_ANCHOR + _AT_START)
+    end_body = END_ANCHOR[: -len("}\n")]
+    return source.replace(END_ANCHOR, end_body + _AT_END + "}\n")
+
+
+def copy_checkout(source_root: Path, dest: Path) -> Path:
+    """A copy of the checkout's files (no git, virtualenvs or outputs) at ``dest``, which must not exist."""
+    shutil.copytree(source_root, dest, ignore=_COPY_IGNORE)
+    return dest
+
+
+def build(source_root: Path, dest: Path, stretch: float, only_fp32: bool = False) -> Path:
+    """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown there."""
+    kernel = copy_checkout(source_root, dest) / KERNEL
+    kernel.write_text(planted_source(kernel.read_text(), stretch, only_fp32))
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.perf.planted", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[2])
+    parser.add_argument("--stretch", type=float, required=True, help="fraction added to each launch's GPU time")
+    parser.add_argument("--only-fp32", action="store_true")
+    args = parser.parse_args(argv)
+    print(build(args.source, args.dest, args.stretch, args.only_fp32))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
