@@ -134,22 +134,54 @@ def correctness(session: nox.Session) -> None:
     session.run(_python(session), *args, "-m", "multigpu", *session.posargs)
 
 
+def _take_option(args: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` or ``name=VALUE`` from ``args`` and return VALUE (None if absent)."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
 @nox.session(venv_params=["--system-site-packages"], default=False)
 def perf(session: nox.Session) -> None:
-    """GPU timings against bitsandbytes, gated on the baseline for this GPU model (GPU only).
+    """GPU perf gate: ``-- --against REF`` times REF beside the working tree, judged by REF's code (GPU only).
 
-    ``nox -s perf -- --save-baseline`` records this run as the baseline for this GPU model.
+    ``--against REF`` checks REF out into a temporary git worktree; ``--base-dir DIR`` uses a
+    checkout that is already there (CI: the base branch), ``--candidate-dir DIR`` measures another
+    tree than this one. The judge (case list, thresholds, statistics, stored baselines) is always
+    the base's code. Without a base: the working tree alone, checked against the stored baseline;
+    ``-- --save-baseline`` merges the session into ``baselines/<gpu>.json``.
     """
     if not gpu_count():
         session.error("nox -s perf needs an NVIDIA GPU: none is visible on this machine")
-    _install(session, "test", "perf", "e2e", "peers", torch=True)
-    out = Path(os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out"))
-    out.mkdir(exist_ok=True)
+    args = list(session.posargs)
+    invoked = Path(session.invoked_from)
+    against, base_dir = _take_option(args, "--against"), _take_option(args, "--base-dir")
+    candidate = invoked / (_take_option(args, "--candidate-dir") or ".")
+    if against and base_dir:
+        session.error("give --against REF or --base-dir DIR, not both")
+    if against:
+        base_dir = str(Path(session.create_tmp()) / "base")
+        session.run(
+            "git", "worktree", "remove", "--force", base_dir, external=True, success_codes=[0, 128], silent=True
+        )
+        session.run("git", "worktree", "add", "--detach", base_dir, against, external=True)
+    judge = (invoked / base_dir).resolve() if base_dir else candidate.resolve()
+    _install(session, "test", "perf", "e2e", torch=True)
+    out = invoked / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out")
+    out.mkdir(parents=True, exist_ok=True)
+    sides = [f"--candidate-dir={candidate.resolve()}", *([f"--base-dir={judge}"] if base_dir else [])]
+    session.chdir(judge)  # the judge's tests, conftest and harness run the session
     session.run(
         _python(session),
         "-m",
         "pytest",
-        "tests/perf",
+        str(judge / "tests" / "perf"),
         "--require-gpu",
         "-p",
         "no:cacheprovider",
@@ -158,5 +190,7 @@ def perf(session: nox.Session) -> None:
         f"--benchmark-json={out / 'benchmark.json'}",
         f"--perf-out={out}",
         "--benchmark-columns=median,iqr,rounds",
-        *session.posargs,
+        *sides,
+        *args,
+        env={"PYTHONPATH": str(judge)},
     )

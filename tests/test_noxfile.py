@@ -46,6 +46,19 @@ def test_gpu_count_override_and_cuda_visible_devices(monkeypatch):
     assert noxfile.gpu_count() == 0
 
 
+def test_perf_options_are_taken_from_posargs():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import noxfile
+    finally:
+        sys.path.remove(str(ROOT))
+    args = ["--against", "origin/main", "-k", "llama", "--candidate-dir=../pr"]
+    assert noxfile._take_option(args, "--against") == "origin/main"
+    assert noxfile._take_option(args, "--candidate-dir") == "../pr"
+    assert noxfile._take_option(args, "--base-dir") is None
+    assert args == ["-k", "llama"]  # what is left goes to pytest
+
+
 def test_no_venv_correctness_runs_in_this_interpreter_installing_nothing():
     """The offline-GPU-box path: --no-venv must not reach session.install (it raises there)."""
     pytest.importorskip("nox")

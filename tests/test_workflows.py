@@ -52,12 +52,24 @@ def test_gpu_job_runs_fork_code_only_after_approval():
     condition = " ".join(gpu["if"].split())
     assert "github.event.pull_request.head.repo.full_name == github.repository" in condition
     assert "github.event.label.name == 'gpu-approved'" in condition
-    checkout = next(s for s in gpu["steps"] if "checkout" in s.get("uses", ""))
-    assert checkout["with"]["ref"] == "${{ github.event.pull_request.head.sha }}"
-    assert checkout["with"]["persist-credentials"] is False
+    checkouts = {s["with"]["path"]: s["with"] for s in gpu["steps"] if "checkout" in s.get("uses", "")}
+    assert checkouts["candidate"]["ref"] == "${{ github.event.pull_request.head.sha }}"
+    assert checkouts["judge"]["ref"] == "${{ github.event.pull_request.base.sha }}"
+    assert all(c["persist-credentials"] is False for c in checkouts.values())
     assert gpu["concurrency"]["cancel-in-progress"] is False
     reset = _load(WORKFLOWS / "gpu-label-reset.yml")
     assert reset["on"]["pull_request_target"]["types"] == ["synchronize"]
+
+
+def test_perf_gate_is_judged_by_the_base():
+    """The perf step runs the base's noxfile and compares the two checkouts side by side."""
+    gpu = _load(WORKFLOWS / "pr.yml")["jobs"]["gpu"]
+    perf = next(s for s in gpu["steps"] if "-s perf" in s.get("run", ""))
+    assert perf["run"].split() == [
+        "python3", "-m", "nox", "-f", "judge/noxfile.py", "-s", "perf", "--",
+        "--base-dir", "judge", "--candidate-dir", "candidate",
+    ]  # fmt: skip
+    assert "working-directory" not in perf
 
 
 def test_cpu_job_runs_ci_script():
