@@ -79,7 +79,7 @@ def lint(session: nox.Session) -> None:
     _install(session, "lint", project=False)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("zizmor", "--offline", "--no-progress", ".github/workflows")
+    session.run("zizmor", "--offline", "--no-progress", "--persona", "auditor", ".github/workflows")
     _actionlint(session)
 
 
