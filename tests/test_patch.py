@@ -25,8 +25,9 @@ def F(bnb):
 
 @pytest.fixture
 def from_importer(F):
-    """A module that did ``from bitsandbytes.functional import dequantize_4bit`` before patching."""
-    mod = types.ModuleType("nf4_harness_test_from_importer")
+    """A module of a patched package (transformers) that did ``from bitsandbytes.functional
+    import dequantize_4bit`` before patching."""
+    mod = types.ModuleType("transformers._nf4_harness_test_site")
     mod.dequantize_4bit = F.dequantize_4bit
     sys.modules[mod.__name__] = mod
     yield mod
@@ -59,7 +60,7 @@ def test_patching_twice_is_harmless_and_one_undo_restores(F):
 def test_modules_importing_while_patched_are_restored_on_undo(F):
     original = F.dequantize_4bit
     harness.patch_bitsandbytes()
-    late = types.ModuleType("nf4_harness_test_late_importer")
+    late = types.ModuleType("peft._nf4_harness_test_late_site")
     late.dequantize_4bit = F.dequantize_4bit
     sys.modules[late.__name__] = late
     try:
@@ -67,6 +68,36 @@ def test_modules_importing_while_patched_are_restored_on_undo(F):
         assert late.dequantize_4bit is original
     finally:
         del sys.modules[late.__name__]
+
+
+def test_a_users_variable_is_never_rebound(F):
+    """A reference a user took (to compare patched with original, say) stays bitsandbytes' own."""
+    user = types.ModuleType("nf4_harness_user_code")
+    user.ref = F.dequantize_4bit
+    sys.modules[user.__name__] = user
+    try:
+        original = F.dequantize_4bit
+        harness.patch_bitsandbytes()
+        assert F.dequantize_4bit is not original
+        assert user.ref is original
+        assert all(not m.__name__.startswith("nf4_harness_user") for m, _ in patch._rebound)
+        harness.unpatch_bitsandbytes()
+        assert user.ref is original and F.dequantize_4bit is original
+    finally:
+        del sys.modules[user.__name__]
+
+
+def test_unproven_bitsandbytes_is_refused_with_a_warning(F, monkeypatch):
+    import bitsandbytes
+
+    original = F.dequantize_4bit
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.51.0")
+    with pytest.warns(RuntimeWarning, match=r"nothing patched: bitsandbytes 0\.51\.0 is installed"):
+        assert harness.patch_bitsandbytes() is False
+    assert F.dequantize_4bit is original and not patch.is_patched()
+    changed = patch.unproven_reason("0.50.2", lambda A, quant_state=None, out=None: None)
+    assert "takes ('A', 'quant_state', 'out')" in changed
+    assert patch.unproven_reason("0.50.2", original) is None
 
 
 def test_context_manager_patches_for_the_block_only(F):

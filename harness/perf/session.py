@@ -114,7 +114,7 @@ class E2EResult:
 
 
 class PerfSession:
-    """Owns the measuring processes and every result of one session."""
+    """Owns the measuring process and every result of one session."""
 
     def __init__(
         self,
@@ -129,7 +129,6 @@ class PerfSession:
         self.gpu = gpu_info.gpu_identity(gpu_info.nvml_device(0))
         self.kernel: dict[str, KernelResult] = {}
         self.e2e: dict[str, E2EResult] = {}
-        self.header: dict[str, str] = {}
         self.host_overhead_us: dict[str, float] = {}
         self.judgements: dict[str, gate.Judgement] = {}
         self.started = time.perf_counter()
