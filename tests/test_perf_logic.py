@@ -287,6 +287,28 @@ def test_sides_run_their_own_code_beside_the_judge(tmp_path):
         sides.Side("x", tmp_path)
 
 
+def test_measuring_process_protocol_replies_per_line_and_reports_errors():
+    import io
+
+    from harness.perf.worker import serve
+
+    class Fake:
+        def op_measure(self, side, samples):
+            return {"samples_s": [1e-6] * samples, "side": side}
+
+        def op_release(self):
+            raise RuntimeError("boom")
+
+    requests = io.StringIO(
+        '{"op": "measure", "side": "base", "samples": 2}\n{"op": "release"}\n{"op": "quit"}\n{"op": "x"}\n'
+    )
+    replies = io.StringIO()
+    serve(Fake(), requests, replies)
+    first, second = (json.loads(line) for line in replies.getvalue().splitlines())
+    assert first == {"samples_s": [1e-6, 1e-6], "side": "base"}
+    assert "RuntimeError: boom" in second["error"]  # and nothing after quit was read
+
+
 # -- fixtures and tools -----------------------------------------------------------------------
 
 
