@@ -72,6 +72,27 @@ def test_no_venv_correctness_runs_in_this_interpreter_installing_nothing():
     assert "installing nothing" in output and "tests collected" in output
 
 
+def test_perf_against_a_ref_runs_that_refs_tests_on_both_checkouts(tmp_path):
+    """`nox -s perf -- --against HEAD` checks HEAD out as the judge and runs its perf tests with
+    both sides named (collection only: no GPU here; NF4_HARNESS_GPUS pretends one)."""
+    pytest.importorskip("nox")
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    env = {**os.environ, "NF4_HARNESS_GPUS": "1", "NF4_HARNESS_PERF_OUT": str(tmp_path / "out")}
+    done = subprocess.run(
+        [sys.executable, "-m", "nox", "--no-venv", "-s", "perf", "--", "--against", "HEAD", "--collect-only", "-q"],
+        cwd=ROOT, capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    worktree = ROOT / ".nox" / "perf" / "tmp" / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], capture_output=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "git worktree add --detach" in output
+    assert re.search(r"tests/perf/test_perf_dequantize\.py: \d+", output), output  # collected, not run
+    assert f"--base-dir={worktree}" in output and f"--candidate-dir={ROOT}" in output
+    assert f"{worktree}/tests/perf" in output  # the judge's tests, not the working tree's
+
+
 def test_xdist_workers_are_pinned_one_gpu_each(monkeypatch):
     from tests.conftest import _pin_xdist_worker_to_gpu
 
