@@ -68,6 +68,10 @@ def round_spread(spread: float) -> float:
     return math.ceil(round(spread * 1000, 6)) / 1000
 
 
+def _entries(data: dict) -> dict[str, Entry]:
+    return {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+
+
 def path_for(gpu: dict, directory: Path) -> Path:
     return directory / f"{gpu['slug']}.json"
 
@@ -87,7 +91,7 @@ def load(gpu: dict, directory: Path) -> tuple[Baseline | None, str]:
         return None, f"drift check: not run, {path.name} has schema {data.get('schema')}, expected {SCHEMA}; re-record"
     if data["gpu"].get("name") != gpu["name"]:
         return None, f"drift check: not run, {path.name} was recorded on {data['gpu'].get('name')!r}"
-    cases = {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+    cases = _entries(data)
     note = "; ".join(
         f"{k} was {data['gpu'].get(k)}, now {gpu.get(k)}" for k in GPU_KEYS[1:] if data["gpu"].get(k) != gpu.get(k)
     )
@@ -159,7 +163,7 @@ def save(records: Iterable[dict], directory: Path) -> Path:
     if path.exists():
         data = json.loads(path.read_text())
         if data.get("schema") == SCHEMA:
-            old = {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+            old = _entries(data)
     merged = merge(old, entries)
     if merged != old or not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
