@@ -194,3 +194,18 @@ def perf(session: nox.Session) -> None:
         *args,
         env={"PYTHONPATH": str(judge)},
     )
+
+
+@nox.session(name="bnb-paths", venv_params=["--system-site-packages"], default=False)
+def bnb_paths(session: nox.Session) -> None:
+    """GPU report: which bitsandbytes path gains how much from the patch, patched vs not (GPU only).
+
+    Layer sweep (forward, forward+backward), dequantize peers (Unsloth's call path), host time
+    against the bare launch floor, and a QLoRA step with its Amdahl prediction, all side by side
+    in one run. ``-- --quick`` for a smoke run; tables land in ``NF4_HARNESS_PERF_OUT`` (perf-out).
+    """
+    if not gpu_count():
+        session.error("nox -s bnb-paths needs an NVIDIA GPU: none is visible on this machine")
+    _install(session, "test", "perf", "e2e", torch=True)
+    out = Path(session.invoked_from) / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out")
+    session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs)

@@ -75,22 +75,72 @@ def dequantize_4bit(
 
     Nested (double-quantized) statistics are decoded inside the same kernel launch.
     """
-    if blocksize is None:
-        blocksize = 64
-
     if quant_state is None:
         if absmax is None or out is None:
             raise ValueError("dequantize_4bit requires both absmax and out when quant_state is not provided")
         if not isinstance(out, torch.Tensor):
             _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
-        shape, dtype, state2, offset, nested = out.shape, out.dtype, None, None, False
+        result = dequantize_packed(
+            A, absmax, 64 if blocksize is None else blocksize, quant_type, out.shape, out.dtype, out
+        )
     else:
-        absmax = quant_state.absmax
-        shape, dtype = quant_state.shape, quant_state.dtype
-        blocksize, quant_type = quant_state.blocksize, quant_state.quant_type
-        state2, offset = getattr(quant_state, "state2", None), getattr(quant_state, "offset", None)
+        state2 = getattr(quant_state, "state2", None)
         nested = bool(getattr(quant_state, "nested", state2 is not None))  # what bitsandbytes branches on
+        if not nested:
+            result = dequantize_packed(
+                A,
+                quant_state.absmax,
+                quant_state.blocksize,
+                quant_state.quant_type,
+                quant_state.shape,
+                quant_state.dtype,
+                out,
+            )
+        else:
+            if state2 is None:
+                _fail("quant_state.nested is set but quant_state.state2 is None")
+            if getattr(state2, "dtype", torch.float32) != torch.float32:
+                _fail(f"nested statistics must decode to float32 (state2.dtype), got {state2.dtype}")
+            offset = getattr(quant_state, "offset", None)
+            if offset is None:
+                _fail("nested quant_state has no offset")
+            result = dequantize_packed(
+                A,
+                quant_state.absmax,
+                quant_state.blocksize,
+                quant_state.quant_type,
+                quant_state.shape,
+                quant_state.dtype,
+                out,
+                code2=state2.code,
+                absmax2=state2.absmax,
+                blocksize2=getattr(state2, "blocksize", None),
+                offset=offset,
+            )
+    # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
+    if A.shape[0] == 1:
+        return result.t()
+    return result
 
+
+def dequantize_packed(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    *,
+    code2: torch.Tensor | None = None,
+    absmax2: torch.Tensor | None = None,
+    blocksize2: int | None = None,
+    offset: Any = None,
+) -> torch.Tensor:
+    """The tensor-level entry every caller shares: ``A`` packed bytes, ``absmax`` the fp32 block
+    scales or, with ``code2`` given, their 8-bit codes decoded in the same launch as
+    ``code2[absmax] * absmax2[block // blocksize2] + offset``. Returns ``out`` (allocated when
+    None) shaped ``shape``; never transposes."""
     # Same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"invalid blocksize {blocksize}")
@@ -121,20 +171,14 @@ def dequantize_4bit(
         _fail(f"A holds {A.numel()} bytes but shape {tuple(shape)} needs {(n + 1) // 2}")
     nblocks = -(-n // blocksize)
 
+    nested = code2 is not None
     if nested:
-        if state2 is None:
-            _fail("quant_state.nested is set but quant_state.state2 is None")
         _check_tensor("quant_state.absmax (nested codes)", absmax, device_index, torch.uint8, nblocks)
-        bs2 = getattr(state2, "blocksize", None)
+        bs2 = blocksize2
         if not isinstance(bs2, int) or bs2 <= 0 or bs2 & (bs2 - 1):
             _fail(f"quant_state.state2.blocksize must be a positive power of two, got {bs2!r}")
-        if getattr(state2, "dtype", torch.float32) != torch.float32:
-            _fail(f"nested statistics must decode to float32 (state2.dtype), got {state2.dtype}")
-        code2, absmax2 = state2.code, state2.absmax
         _check_tensor("quant_state.state2.code", code2, device_index, torch.float32, 256)
         _check_tensor("quant_state.state2.absmax", absmax2, device_index, torch.float32, -(-nblocks // bs2))
-        if offset is None:
-            _fail("nested quant_state has no offset")
         offset_ptr, offset_value = _offset_args(offset, device_index)
     else:
         _check_tensor("absmax", absmax, device_index, torch.float32, nblocks)
@@ -160,10 +204,6 @@ def dequantize_4bit(
         _launch(
             quant_type, out_name, nested, device_index, args, out.data_ptr(), n, blocksize.bit_length() - 1, bs2_log2
         )
-
-    # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
-    if A.shape[0] == 1:
-        return out.t()
     return out
 
 

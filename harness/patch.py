@@ -1,27 +1,37 @@
-"""Route bitsandbytes' ``dequantize_4bit`` to our kernel, for every caller, in one call.
+"""Route bitsandbytes' 4-bit dequantizations to our kernel, at bitsandbytes' own seams, in one call.
 
-Every 4-bit dequantization in bitsandbytes 0.50.2, transformers and peft looks the function up
-on the ``bitsandbytes.functional`` module at call time (``F.dequantize_4bit`` /
-``bnb.functional.dequantize_4bit``): QLoRA's ``MatMul4Bit.backward``, the [K, N]-orientation
-path of ``matmul_4bit``, ``Embedding4bit``, the ``Params4bit`` parametrization,
-``dequantize_nf4`` / ``dequantize_fp4``, transformers' and peft's ``dequantize_bnb_weight``
-(peft's LoRA merge and unmerge), and peft's ``helpers``. Replacing that one attribute reroutes
-them all.
+bitsandbytes 0.50.2 dequantizes 4-bit weights on CUDA through three module-level names, each
+looked up at call time, so rebinding them reroutes every caller (``SEAMS``):
 
-Names touched: ``bitsandbytes.functional.dequantize_4bit``, and any module-level name bound to
-that function inside the packages in ``PATCHED_PACKAGES`` (bitsandbytes, transformers, peft; in
-the releases read, bitsandbytes 0.50.2, transformers 5.23 and peft 0.21, none from-imports it, so
-today this is the one attribute). A user's own variables and modules are never rebound:
-``ref = F.dequantize_4bit`` taken before the patch keeps pointing at bitsandbytes' function.
+- ``bitsandbytes.functional.dequantize_4bit``: QLoRA's ``MatMul4Bit.backward``, the
+  [K, N]-orientation path of ``matmul_4bit``, ``Embedding4bit``, the ``Params4bit``
+  parametrization, ``dequantize_nf4`` / ``dequantize_fp4``, transformers' and peft's
+  ``dequantize_bnb_weight`` (peft's LoRA merge and unmerge). Ours decodes nested statistics in
+  the same launch, where bitsandbytes runs three kernels (8-bit decode, offset add, 4-bit decode).
+- ``bitsandbytes.backends.cuda.ops._dequant_linear_fallback``: ``gemm_4bit``'s
+  dequantize-then-``F.linear`` path, taken for M > 1536 and wherever its per-GPU heuristic
+  prefers it (prefill, the training forward). Ours again fuses the nested decode; the
+  ``F.linear`` is bitsandbytes' own.
+- ``bitsandbytes.backends.cuda.ops._dequantize_4bit_impl``: the CUDA kernel of the
+  ``bitsandbytes::dequantize_4bit`` op and its ``.out`` overload (plain fp32 scales), so a
+  caller of ``torch.ops.bitsandbytes.dequantize_4bit`` and a ``torch.compile``d graph that
+  holds that op run ours too.
 
-Not yet routed (bitsandbytes 0.50.2): ``gemm_4bit``'s dequantize-then-``F.linear`` fallback for
-large M (prefill, training forward) and the ``torch.ops.bitsandbytes.dequantize_4bit`` op call
-``_dequantize_4bit_impl`` directly, without this attribute.
+Under ``torch.compile`` the ``functional`` seam calls our own registered op
+``nf4_harness::dequantize_4bit`` (``harness.torch_op``), so compiled graphs keep the fused
+nested decode; the two ``backends.cuda.ops`` seams run inside bitsandbytes' ops, which compiled
+graphs call as opaque kernels.
 
-Anything our kernel does not take (CPU tensors, a packed ``quant_storage`` dtype other than
-uint8, ...) goes to the original unchanged: ours validates everything before it launches, so a
-refusal has touched nothing. Under ``torch.compile`` the original is called too: its custom op
-traces, while our launcher passes raw pointers that TorchDynamo cannot trace.
+Names touched: the three above, and any module-level name bound to one of those functions
+inside the packages in ``PATCHED_PACKAGES`` (bitsandbytes, transformers, peft; in bitsandbytes
+0.50.2, transformers 5.23 and peft 0.21 none from-imports them). A user's own variables and
+modules are never rebound: ``ref = F.dequantize_4bit`` taken before the patch keeps pointing at
+bitsandbytes' function. Without CUDA, bitsandbytes does not load ``backends.cuda.ops`` and only
+the ``functional`` seam is patched.
+
+Anything our kernel does not take (CPU tensors, a non-contiguous input, ...) goes to the
+original unchanged: ours validates everything before it launches, so a refusal has touched
+nothing.
 """
 
 from __future__ import annotations
@@ -32,42 +42,172 @@ import inspect
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-# The bitsandbytes release and the signature of the function this patch was proven against.
+# The bitsandbytes release the patch was proven against (bit-exact, end to end).
 PROVEN_BITSANDBYTES = "0.50.2"
-PROVEN_SIGNATURE = ("A", "quant_state", "absmax", "out", "blocksize", "quant_type")
-# Packages whose modules may hold the function under another name; nothing else is rebound.
+# Packages whose modules may hold a seam's function under another name; nothing else is rebound.
 PATCHED_PACKAGES = ("bitsandbytes", "transformers", "peft")
+CUDA_OPS = "bitsandbytes.backends.cuda.ops"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One module-level function bitsandbytes calls by name, and the signature it was proven with."""
+
+    module: str
+    name: str
+    signature: tuple[str, ...]
+    label: str  # the key of its counts in routed_calls()
+    needs_cuda: bool  # its module exists only where bitsandbytes loaded its CUDA backend
+
+
+SEAMS = (
+    Seam(
+        "bitsandbytes.functional",
+        "dequantize_4bit",
+        ("A", "quant_state", "absmax", "out", "blocksize", "quant_type"),
+        "functional",
+        needs_cuda=False,
+    ),
+    Seam(
+        CUDA_OPS,
+        "_dequant_linear_fallback",
+        (
+            "A",
+            "B",
+            "shapeB",
+            "absmax",
+            "blocksize",
+            "quant_type",
+            "bias",
+            "absmax_8bit",
+            "absmax_code",
+            "absmax_offset",
+        ),
+        "gemm_4bit fallback",
+        needs_cuda=True,
+    ),
+    Seam(
+        CUDA_OPS,
+        "_dequantize_4bit_impl",
+        ("A", "absmax", "blocksize", "quant_type", "dtype", "out"),
+        "dequantize_4bit op",
+        needs_cuda=True,
+    ),
+)
+# gemm_4bit's fallback decodes nested statistics with this fixed block size (bitsandbytes 0.50.2).
+GEMM_FALLBACK_BLOCKSIZE2 = 256
 
 _lock = threading.Lock()
-_original = None  # bitsandbytes' function while patched, else None
-_rebound: list[tuple[object, str]] = []  # (module, attribute) we replaced
-_counts = {"ours": 0, "fallback": 0}
+_originals: dict[Seam, Callable] = {}  # bitsandbytes' functions while patched, else empty
+_rebound: list[tuple[object, str, Callable]] = []  # (module, attribute, original) we replaced
+_counts: Counter = Counter()  # (seam label, "ours" | "fallback") -> calls
 
 
-def _make_wrapper(original):
+def _count(label: str, ours: bool) -> None:
+    _counts[label, "ours" if ours else "fallback"] += 1
+
+
+def _functional_wrapper(original):
     import torch
 
-    from harness import api
+    from harness import api, torch_op
 
     is_compiling = torch.compiler.is_compiling
 
     @functools.wraps(original)
     def dequantize_4bit(A, quant_state=None, absmax=None, out=None, blocksize=None, quant_type="fp4"):
-        if not is_compiling():
-            try:
-                result = api.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
-            except ValueError:
-                pass  # not something our kernel takes (nothing was launched): bitsandbytes decides
-            else:
-                _counts["ours"] += 1
-                return result
-        _counts["fallback"] += 1
+        if is_compiling():
+            # Traced: our registered op when the call is one it takes, judged on what tracing
+            # knows (device, dtypes, block size); bitsandbytes' own ops otherwise.
+            if quant_state is not None and torch_op.takes(A, quant_state):
+                return torch_op.call(A, quant_state, out)
+            return original(A, quant_state, absmax, out, blocksize, quant_type)
+        try:
+            result = api.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
+        except ValueError:
+            pass  # not something our kernel takes (nothing was launched): bitsandbytes decides
+        else:
+            _count("functional", True)
+            return result
+        _count("functional", False)
         return original(A, quant_state, absmax, out, blocksize, quant_type)
 
-    dequantize_4bit._nf4_harness_original = original
     return dequantize_4bit
+
+
+def _gemm_fallback_wrapper(original):
+    import torch
+
+    from harness import api
+
+    linear = torch.nn.functional.linear
+
+    @functools.wraps(original)
+    def _dequant_linear_fallback(
+        A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
+    ):
+        try:
+            if absmax_8bit is None:
+                B_dq = api.dequantize_packed(_as_bytes(B), absmax, blocksize, quant_type, shapeB, A.dtype)
+            else:
+                B_dq = api.dequantize_packed(
+                    _as_bytes(B),
+                    absmax_8bit,
+                    blocksize,
+                    quant_type,
+                    shapeB,
+                    A.dtype,
+                    code2=absmax_code,
+                    absmax2=absmax,
+                    blocksize2=GEMM_FALLBACK_BLOCKSIZE2,
+                    offset=absmax_offset,
+                )
+        except ValueError:
+            _count("gemm_4bit fallback", False)
+            return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+        _count("gemm_4bit fallback", True)
+        return linear(A, B_dq, bias)
+
+    return _dequant_linear_fallback
+
+
+def _op_impl_wrapper(original):
+    from harness import api
+
+    @functools.wraps(original)
+    def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):
+        try:
+            if out.dtype != dtype:
+                raise ValueError("out's dtype differs: bitsandbytes' kernel decides")
+            api.dequantize_packed(_as_bytes(A), absmax, blocksize, quant_type, out.shape, dtype, out)
+        except ValueError:
+            _count("dequantize_4bit op", False)
+            return original(A, absmax, blocksize, quant_type, dtype, out)
+        _count("dequantize_4bit op", True)
+        return None
+
+    return _dequantize_4bit_impl
+
+
+_WRAPPERS = {
+    "functional": _functional_wrapper,
+    "gemm_4bit fallback": _gemm_fallback_wrapper,
+    "dequantize_4bit op": _op_impl_wrapper,
+}
+
+
+def _as_bytes(A):
+    """bitsandbytes' kernels read packed data through a raw pointer whatever ``quant_storage``
+    dtype holds it (FSDP's bf16, say); ours reads the same bytes as uint8."""
+    import torch
+
+    if isinstance(A, torch.Tensor) and A.dtype != torch.uint8 and A.is_contiguous() and A.dim() > 0:
+        return A.view(torch.uint8)
+    return A
 
 
 def _in_patched_packages(module_name: str) -> bool:
@@ -90,64 +230,73 @@ def _bindings_of(obj) -> list[tuple[object, str]]:
 
 
 def is_patched() -> bool:
-    return _original is not None
+    return bool(_originals)
 
 
-def unproven_reason(version: str, function) -> str | None:
-    """Why the patch must not be applied to this bitsandbytes, or None when it was proven on it."""
+def _present_seams() -> list[Seam]:
+    """The seams whose module bitsandbytes has loaded (its CUDA backend only where CUDA is)."""
+    return [s for s in SEAMS if not s.needs_cuda or s.module in sys.modules]
+
+
+def unproven_reason(version: str, functions: dict[Seam, object]) -> str | None:
+    """Why the patch must not be applied, or None when every seam matches what it was proven on."""
     if version != PROVEN_BITSANDBYTES:
         return f"bitsandbytes {version} is installed; the patch is proven against {PROVEN_BITSANDBYTES} only"
-    try:
-        params = tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return "bitsandbytes.functional.dequantize_4bit has no readable signature"
-    if params != PROVEN_SIGNATURE:
-        return f"bitsandbytes.functional.dequantize_4bit takes {params}, the patch was proven on {PROVEN_SIGNATURE}"
+    for seam, function in functions.items():
+        where = f"{seam.module}.{seam.name}"
+        if function is None:
+            return f"{where} is missing"
+        try:
+            params = tuple(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            return f"{where} has no readable signature"
+        if params != seam.signature:
+            return f"{where} takes {params}, the patch was proven on {seam.signature}"
     return None
 
 
 def patch_bitsandbytes() -> bool:
-    """Send every ``bitsandbytes.functional.dequantize_4bit`` call to our kernel. Idempotent.
+    """Send bitsandbytes' 4-bit dequantizations to our kernel (``SEAMS``). Idempotent.
 
-    Returns whether the patch is in place. On a bitsandbytes release or signature it was not
+    Returns whether the patch is in place. On a bitsandbytes release or a seam it was not
     proven against it warns why and patches nothing."""
-    global _original
-    import bitsandbytes
-    import bitsandbytes.functional as F
+    import bitsandbytes  # loads backends.cuda.ops where CUDA is available
 
     with _lock:
-        if _original is not None:
+        if _originals:
             return True
-        original = F.dequantize_4bit
-        if (reason := unproven_reason(bitsandbytes.__version__, original)) is not None:
+        seams = _present_seams()
+        functions = {s: getattr(sys.modules.get(s.module), s.name, None) for s in seams}
+        if (reason := unproven_reason(bitsandbytes.__version__, functions)) is not None:
             warnings.warn(f"harness.patch_bitsandbytes: nothing patched: {reason}", RuntimeWarning, stacklevel=2)
             return False
-        wrapper = _make_wrapper(original)
-        bindings = _bindings_of(original)
-        for module, name in bindings:
-            setattr(module, name, wrapper)
-        _rebound[:] = bindings
-        _original = original
+        rebound = []
+        for seam, original in functions.items():
+            wrapper = _WRAPPERS[seam.label](original)
+            wrapper._nf4_harness_original = original
+            for module, name in _bindings_of(original):
+                setattr(module, name, wrapper)
+                rebound.append((module, name, original))
+            _originals[seam] = original
+        _rebound[:] = rebound
         return True
 
 
 def unpatch_bitsandbytes() -> None:
-    """Restore bitsandbytes' own function everywhere it was, and wherever a module imported the
-    patched one since. Harmless when not patched."""
-    global _original
+    """Restore bitsandbytes' own functions everywhere they were, and wherever a module imported
+    a patched one since. Harmless when not patched."""
     with _lock:
-        if _original is None:
+        if not _originals:
             return
-        import bitsandbytes.functional as F
-
-        wrapper = F.dequantize_4bit
-        for module, name in _rebound:
-            setattr(module, name, _original)
-        if getattr(wrapper, "_nf4_harness_original", None) is _original:
-            for module, name in _bindings_of(wrapper):  # from-imports made while patched
-                setattr(module, name, _original)
+        for seam, original in _originals.items():
+            wrapper = getattr(sys.modules[seam.module], seam.name)
+            if getattr(wrapper, "_nf4_harness_original", None) is original:
+                for module, name in _bindings_of(wrapper):  # from-imports made while patched
+                    setattr(module, name, original)
+        for module, name, original in _rebound:
+            setattr(module, name, original)
         _rebound.clear()
-        _original = None
+        _originals.clear()
 
 
 @contextlib.contextmanager
@@ -163,5 +312,12 @@ def bitsandbytes_patched() -> Iterator[None]:
 
 
 def routed_calls() -> dict[str, int]:
-    """How many patched calls ran our kernel and how many went to bitsandbytes, since import."""
-    return dict(_counts)
+    """Patched calls since import: ``ours`` / ``fallback`` in total, and ``<seam>: ours`` /
+    ``<seam>: fallback`` per seam (``functional``, ``gemm_4bit fallback``, ``dequantize_4bit op``,
+    ``compiled op``)."""
+    totals = {"ours": 0, "fallback": 0}
+    per_seam = {}
+    for (label, kind), n in sorted(_counts.items()):
+        totals[kind] += n
+        per_seam[f"{label}: {kind}"] = n
+    return totals | per_seam

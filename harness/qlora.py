@@ -46,10 +46,11 @@ def save_random_llama(directory: str, layers: int = 2, vocab: int = 4096, seed: 
     torch.cuda.empty_cache()
 
 
-def load_qlora(directory: str, seq: int = 256, seed: int = 0) -> QLoRAModel:
-    """Quantize the checkpoint on load (nf4, nested, bf16 compute) and add a LoRA adapter whose
-    A and B are both random (seeded), so a merge changes the weights."""
-    from peft import LoraConfig, get_peft_model
+SMALL_LLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4}
+
+
+def load_quantized(directory: str) -> torch.nn.Module:
+    """The checkpoint quantized on load by transformers (nf4, nested, bf16 compute)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(
@@ -58,19 +59,31 @@ def load_qlora(directory: str, seq: int = 256, seed: int = 0) -> QLoRAModel:
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
-    base = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         directory,
         quantization_config=quant,
         device_map={"": torch.cuda.current_device()},
         dtype=torch.bfloat16,
         attn_implementation="eager",  # deterministic backward: no atomics in the attention kernel
     )
+
+
+def random_tokens(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g, device="cuda")
+
+
+def load_qlora(directory: str, seq: int = 256, seed: int = 0, batch: int = 1) -> QLoRAModel:
+    """Quantize the checkpoint on load and add a LoRA adapter whose A and B are both random
+    (seeded), so a merge changes the weights. ``batch`` x ``seq`` tokens per step: bitsandbytes'
+    forward dequantizes (the gemm_4bit fallback) once that exceeds 1536."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_quantized(directory)
     torch.manual_seed(seed)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
     model = get_peft_model(base, lora)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=g, device="cuda")
-    return QLoRAModel(model, ids)
+    return QLoRAModel(model, random_tokens(base.config.vocab_size, batch, seq, seed))
 
 
 def train_step(m: QLoRAModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

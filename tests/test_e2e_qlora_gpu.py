@@ -1,8 +1,10 @@
-"""End to end: a QLoRA training step and a LoRA merge give bit-identical results with
+"""End to end: a QLoRA training step, a prefill and a LoRA merge give bit-identical results with
 ``harness.patch_bitsandbytes()`` and without, and the patched run really used our kernel.
 
 A 2-layer model at Llama-3.3-70B's sizes, random weights (no downloads), quantized by
 transformers (nf4, double quantization, bf16 compute), a peft LoRA adapter on every projection.
+Token counts: 256 (bitsandbytes' per-GPU heuristic picks its fused GEMM or the fallback) and
+2048 and 8192 (the forward takes gemm_4bit's dequantize-then-linear path, as real training does).
 """
 
 from __future__ import annotations
@@ -37,8 +39,17 @@ def _same_bytes(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert diff == 0, f"{name}: {diff} bytes differ"
 
 
-def test_training_step_is_bit_identical_with_the_patch(bnb, cuda, checkpoint):
+@pytest.fixture(scope="module")
+def qlora_model(checkpoint):
     m = qlora.load_qlora(checkpoint)
+    yield m
+    del m
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(1, 256), (1, 2048), (4, 2048)], ids=["256", "2048", "8192"])
+def test_training_step_is_bit_identical_with_the_patch(bnb, cuda, qlora_model, batch, seq):
+    m = qlora.QLoRAModel(qlora_model.model, qlora.random_tokens(qlora_model.model.config.vocab_size, batch, seq))
     loss, grads = qlora.train_step(m)
     again_loss, again_grads = qlora.train_step(m)
     # Without a deterministic reference the comparison below could not fail for the right reason.
@@ -51,13 +62,43 @@ def test_training_step_is_bit_identical_with_the_patch(bnb, cuda, checkpoint):
         p_loss, p_grads = qlora.train_step(m)
     after = patch.routed_calls()
     routed = after["ours"] - before["ours"]
-    assert routed > 0, "the patched backward never reached our kernel"
+    forward = after.get("gemm_4bit fallback: ours", 0) - before.get("gemm_4bit fallback: ours", 0)
     assert after["fallback"] == before["fallback"], "a QLoRA dequantization fell back to bitsandbytes"
+    # The backward dequantizes wherever the input's gradient is needed: every projection but the
+    # first layer's q, k and v, whose input (normed frozen embeddings) needs none.
+    assert routed - forward == 2 * 7 - 3, "every backward dequantization ran our kernel"
+    # Up to 1536 tokens bitsandbytes' per-GPU heuristic picks its fused GEMM or the fallback.
+    assert forward == 2 * 7 or (forward == 0 and batch * seq <= 1536), "the forward's dequantizations ran ours"
     assert_bit_exact(p_loss, loss, "loss")
     assert set(p_grads) == set(grads) and len(grads) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
     for name in grads:
         assert_bit_exact(p_grads[name], grads[name], name)
-    print(f"\nQLoRA step: {routed} dequantizations ran our kernel; loss {loss.item():.6f}, bit-identical")
+    print(f"\nQLoRA step, {batch}x{seq} tokens: {routed} dequantizations ran our kernel; loss {loss.item():.6f}")
+
+
+def test_prefill_logits_are_bit_identical_with_the_patch(bnb, cuda):
+    """Inference prefill of 2048 tokens on a small Llama built from a config: every projection's
+    forward is gemm_4bit's dequantize-then-linear path."""
+    pytest.importorskip("transformers", reason="the prefill check needs transformers")
+    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
+    model = None
+    try:
+        model = qlora.load_quantized(tmp.name)
+        ids = qlora.random_tokens(model.config.vocab_size, 1, 2048, seed=1)
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+            assert_bit_exact(model(input_ids=ids).logits, expected, "unpatched prefill repeated")
+            before = patch.routed_calls()
+            with harness.bitsandbytes_patched():
+                got = model(input_ids=ids).logits
+            after = patch.routed_calls()
+        assert after.get("gemm_4bit fallback: ours", 0) - before.get("gemm_4bit fallback: ours", 0) == 2 * 7
+        assert after["fallback"] == before["fallback"]
+        assert_bit_exact(got, expected, "prefill logits")
+    finally:
+        del model
+        torch.cuda.empty_cache()
+        tmp.cleanup()
 
 
 def test_merge_and_unload_is_bit_identical_with_the_patch(bnb, cuda, checkpoint):

@@ -80,7 +80,7 @@ def test_a_users_variable_is_never_rebound(F):
         harness.patch_bitsandbytes()
         assert F.dequantize_4bit is not original
         assert user.ref is original
-        assert all(not m.__name__.startswith("nf4_harness_user") for m, _ in patch._rebound)
+        assert all(not m.__name__.startswith("nf4_harness_user") for m, _, _ in patch._rebound)
         harness.unpatch_bitsandbytes()
         assert user.ref is original and F.dequantize_4bit is original
     finally:
@@ -95,9 +95,10 @@ def test_unproven_bitsandbytes_is_refused_with_a_warning(F, monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"nothing patched: bitsandbytes 0\.51\.0 is installed"):
         assert harness.patch_bitsandbytes() is False
     assert F.dequantize_4bit is original and not patch.is_patched()
-    changed = patch.unproven_reason("0.50.2", lambda A, quant_state=None, out=None: None)
-    assert "takes ('A', 'quant_state', 'out')" in changed
-    assert patch.unproven_reason("0.50.2", original) is None
+    functional = patch.SEAMS[0]
+    changed = patch.unproven_reason("0.50.2", {functional: lambda A, quant_state=None, out=None: None})
+    assert "dequantize_4bit takes ('A', 'quant_state', 'out')" in changed
+    assert patch.unproven_reason("0.50.2", {functional: original}) is None
 
 
 def test_context_manager_patches_for_the_block_only(F):
@@ -142,7 +143,7 @@ def test_fallback_passes_every_argument_through(monkeypatch):
         raise DequantizeInputError("not ours")
 
     monkeypatch.setattr(api, "dequantize_4bit", refuse)
-    wrapper = patch._make_wrapper(lambda *a: received.append(a) or "bnb")
+    wrapper = patch._functional_wrapper(lambda *a: received.append(a) or "bnb")
     args = ("A", "qs", "absmax", "out", 128, "nf4")
     assert wrapper(*args) == "bnb"
     assert received == [args]
@@ -158,6 +159,158 @@ def test_under_torch_compile_the_original_op_is_traced(F, run_seed):
         compiled = torch.compile(lambda a: F.dequantize_4bit(a, qs) * 1, backend="eager", fullgraph=True)
         got = compiled(A)
     assert_bit_exact(got, expected)
+
+
+def _proven_cuda_ops(name: str = patch.CUDA_OPS, **replace) -> types.ModuleType:
+    """A stand-in for bitsandbytes' CUDA backend module (absent without CUDA) whose two seams
+    have the proven signatures and record their calls."""
+    mod = types.ModuleType(name)
+    mod.calls = []
+
+    def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):
+        mod.calls.append(("impl", A, absmax, blocksize, quant_type, dtype, out))
+
+    def _dequant_linear_fallback(
+        A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
+    ):
+        mod.calls.append(("fallback", A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code))
+        return "bnb"
+
+    mod._dequantize_4bit_impl = _dequantize_4bit_impl
+    mod._dequant_linear_fallback = _dequant_linear_fallback
+    for attr, value in replace.items():
+        if value is None:
+            delattr(mod, attr)
+        else:
+            setattr(mod, attr, value)
+    return mod
+
+
+@pytest.fixture
+def cuda_ops(F, monkeypatch):
+    mod = _proven_cuda_ops()
+    monkeypatch.setitem(sys.modules, patch.CUDA_OPS, mod)
+    return mod
+
+
+def test_every_seam_is_rebound_and_undo_restores_each(F, cuda_ops):
+    originals = {s: getattr(sys.modules[s.module], s.name) for s in patch.SEAMS}
+    assert harness.patch_bitsandbytes() is True
+    for seam, original in originals.items():
+        wrapper = getattr(sys.modules[seam.module], seam.name)
+        assert wrapper is not original and wrapper.__wrapped__ is original, seam.name
+    assert {(m.__name__, n) for m, n, _ in patch._rebound} == {(s.module, s.name) for s in patch.SEAMS}
+    harness.unpatch_bitsandbytes()
+    for seam, original in originals.items():
+        assert getattr(sys.modules[seam.module], seam.name) is original, seam.name
+
+
+@pytest.mark.parametrize(
+    ("replace", "reason"),
+    [
+        ({"_dequantize_4bit_impl": None}, r"ops\._dequantize_4bit_impl is missing"),
+        (
+            {"_dequant_linear_fallback": lambda A, B, shapeB, absmax, blocksize, quant_type, bias=None: None},
+            r"ops\._dequant_linear_fallback takes \('A', 'B', 'shapeB', 'absmax', 'blocksize', 'quant_type', 'bias'\)",
+        ),
+    ],
+    ids=["missing", "changed"],
+)
+def test_a_missing_or_changed_seam_refuses_the_whole_patch(F, monkeypatch, replace, reason):
+    monkeypatch.setitem(sys.modules, patch.CUDA_OPS, _proven_cuda_ops(**replace))
+    original = F.dequantize_4bit
+    with pytest.warns(RuntimeWarning, match=r"nothing patched: bitsandbytes\.backends\.cuda\." + reason):
+        assert harness.patch_bitsandbytes() is False
+    assert F.dequantize_4bit is original and not patch.is_patched() and not patch._rebound
+
+
+def test_without_cudas_backend_only_the_functional_seam_is_patched(F, monkeypatch):
+    monkeypatch.delitem(sys.modules, patch.CUDA_OPS, raising=False)
+    assert harness.patch_bitsandbytes() is True
+    assert {n for _, n, _ in patch._rebound} == {"dequantize_4bit"}
+
+
+def test_gemm_fallback_decodes_nested_scales_in_our_one_launch(monkeypatch):
+    """bitsandbytes' fallback runs three kernels before F.linear; ours gets every nested piece
+    (8-bit codes, code book, second-level absmax and block size, offset) in one call."""
+    seen = []
+    weight = torch.randn(6, 4)
+    monkeypatch.setattr(api, "dequantize_packed", lambda *a, **k: seen.append((a, k)) or weight)
+    wrapper = patch._gemm_fallback_wrapper(lambda *a: pytest.fail("bitsandbytes' fallback was called"))
+    x, bias = torch.randn(3, 4), torch.randn(6)
+    B, codes, absmax2, code, offset = (torch.zeros(12, 1, dtype=torch.uint8), "codes", "absmax2", "code", "offset")
+    got = wrapper(x, B, (6, 4), absmax2, 64, "nf4", bias, absmax_8bit=codes, absmax_code=code, absmax_offset=offset)
+    assert_bit_exact(got, torch.nn.functional.linear(x, weight, bias))
+    ((args, kwargs),) = seen
+    assert args == (B, codes, 64, "nf4", (6, 4), x.dtype)
+    assert kwargs == {"code2": code, "absmax2": absmax2, "blocksize2": 256, "offset": offset}
+    seen.clear()
+    wrapper(x, B, (6, 4), "absmax", 64, "fp4")
+    assert seen == [((B, "absmax", 64, "fp4", (6, 4), x.dtype), {})]
+
+
+def test_gemm_fallback_hands_what_ours_refuses_to_bitsandbytes_unchanged(monkeypatch):
+    received = []
+
+    def refuse(*a, **k):
+        raise DequantizeInputError("not ours")
+
+    monkeypatch.setattr(api, "dequantize_packed", refuse)
+    wrapper = patch._gemm_fallback_wrapper(lambda *a: received.append(a) or "bnb")
+    args = (torch.zeros(2, 4), "B", (6, 4), "absmax", 64, "nf4", "bias", "codes", "code", "offset")
+    assert wrapper(*args) == "bnb"
+    assert received == [args]
+
+
+def test_the_op_kernel_seam_reads_packed_storage_as_bytes_and_defers_odd_calls(monkeypatch):
+    seen = []
+    monkeypatch.setattr(api, "dequantize_packed", lambda *a, **k: seen.append(a))
+    received = []
+    wrapper = patch._op_impl_wrapper(lambda *a: received.append(a))
+    packed = torch.zeros(8, 1, dtype=torch.bfloat16)  # FSDP-style quant_storage
+    out = torch.empty(4, 8, dtype=torch.float16)
+    assert wrapper(packed, "absmax", 64, "nf4", torch.float16, out) is None
+    ((A, absmax, blocksize, quant_type, shape, dtype, given_out),) = seen
+    assert A.dtype == torch.uint8 and A.data_ptr() == packed.data_ptr() and A.numel() == 16
+    assert (absmax, blocksize, quant_type, shape, dtype, given_out) == (
+        "absmax",
+        64,
+        "nf4",
+        out.shape,
+        torch.float16,
+        out,
+    )
+    assert not received
+    wrapper(packed, "absmax", 64, "nf4", torch.float32, out)  # out's dtype disagrees: bitsandbytes decides
+    assert len(seen) == 1 and received == [(packed, "absmax", 64, "nf4", torch.float32, out)]
+
+
+def test_routed_calls_counts_per_seam_and_in_total(monkeypatch):
+    monkeypatch.setattr(patch, "_counts", patch.Counter())
+    patch._count("gemm_4bit fallback", True)
+    patch._count("functional", False)
+    patch._count("functional", True)
+    assert patch.routed_calls() == {
+        "ours": 2,
+        "fallback": 1,
+        "functional: fallback": 1,
+        "functional: ours": 1,
+        "gemm_4bit fallback: ours": 1,
+    }
+
+
+def test_our_registered_op_has_a_fake_implementation_for_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness import torch_op
+
+    with FakeTensorMode():
+        A = torch.empty(48, 1, dtype=torch.uint8)
+        got = torch.ops.nf4_harness.dequantize_4bit(
+            A, torch.empty(2), 64, "nf4", [8, 12], torch.bfloat16, None, None, 0, None, 0.0
+        )
+    assert got.shape == (8, 12) and got.dtype == torch.bfloat16
+    assert not torch_op.takes(torch.zeros(4, 1, dtype=torch.uint8), None), "CPU tensors stay with bitsandbytes"
 
 
 # --- on the GPU --------------------------------------------------------------------------------
@@ -198,10 +351,63 @@ def test_qlora_backward_through_matmul_4bit_is_bit_identical(F, cuda, run_seed):
 
 
 @pytest.mark.gpu
-def test_compiled_module_on_gpu_gives_the_same_bits(F, cuda, run_seed):
-    A, qs = cases.quantize_weights((256, 256), "nf4", 64, True, torch.float16, run_seed, device=cuda)
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_compiled_graph_runs_our_registered_op_bit_exact(F, cuda, run_seed, nested):
+    """Under torch.compile the patched call becomes one nf4_harness::dequantize_4bit node."""
+    A, qs = cases.quantize_weights((256, 256), "nf4", 64, nested, torch.float16, run_seed, device=cuda)
     expected = F.dequantize_4bit(A, qs)
+    out = torch.full_like(expected, float("nan"))
     torch._dynamo.reset()
+    before = patch.routed_calls().get("compiled op: ours", 0)
     with harness.bitsandbytes_patched():
         got = torch.compile(lambda a: F.dequantize_4bit(a, qs), fullgraph=True)(A)
+        torch.compile(lambda a, o: F.dequantize_4bit(a, qs, out=o), fullgraph=True)(A, out)
+    assert patch.routed_calls()["compiled op: ours"] == before + 2
     assert_bit_exact(got, expected)
+    assert_bit_exact(out, expected, "out=")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_gemm_4bit_fallback_for_large_m_runs_our_kernel_bit_identical(F, cuda, run_seed, nested, grad):
+    """M > 1536: bitsandbytes' gemm_4bit dequantizes and calls F.linear (prefill, training forward)."""
+    import bitsandbytes as bnb
+
+    B, qs = cases.quantize_weights((768, 512), "nf4", 64, nested, torch.bfloat16, run_seed, device=cuda)
+    g = cases.seeded_generator(run_seed, cuda)
+    x = torch.randn(2048, 512, generator=g, device=cuda, dtype=torch.bfloat16, requires_grad=grad)
+
+    def forward():
+        with torch.set_grad_enabled(grad):
+            return bnb.matmul_4bit(x, B.t(), qs)
+
+    expected = forward()
+    before = patch.routed_calls()
+    with harness.bitsandbytes_patched():
+        got = forward()
+    after = patch.routed_calls()
+    assert after.get("gemm_4bit fallback: ours", 0) == before.get("gemm_4bit fallback: ours", 0) + 1
+    assert after["fallback"] == before["fallback"]
+    assert_bit_exact(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16-storage"])
+def test_the_bitsandbytes_op_and_its_out_overload_run_our_kernel(F, cuda, run_seed, storage):
+    g = cases.seeded_generator(run_seed, cuda)
+    w = torch.randn(384, 256, generator=g, device=cuda, dtype=torch.float16)
+    A, qs = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False, quant_storage=storage)
+    op = torch.ops.bitsandbytes.dequantize_4bit
+    args = (A, qs.absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
+    expected = op.default(*args)
+    out = torch.full_like(expected, float("nan"))
+    before = patch.routed_calls().get("dequantize_4bit op: ours", 0)
+    with harness.bitsandbytes_patched():
+        got = op.default(*args)
+        op.out(*args, out=out)
+        compiled = torch.compile(lambda a: op.default(a, *args[1:]) * 1, fullgraph=True)(A)
+    assert patch.routed_calls()["dequantize_4bit op: ours"] == before + 3
+    assert_bit_exact(got, expected)
+    assert_bit_exact(out, expected, "out overload")
+    assert_bit_exact(compiled, expected, "compiled graph holding bitsandbytes' op")

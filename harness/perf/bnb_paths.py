@@ -1,0 +1,290 @@
+"""Which bitsandbytes path gains how much from ``harness.patch_bitsandbytes()``, measured side by
+side in one process on one GPU: every row's two columns come from interleaved rounds.
+
+    python -m harness.perf.bnb_paths --out DIR [--quick]
+
+Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
+
+- layers: ``bnb.matmul_4bit`` as ``Linear4bit`` calls it, Llama-3.3-70B gate and o shapes, nf4
+  nested, bf16, M tokens; forward (inference) and forward+backward (the input's gradient, as
+  QLoRA needs), patched vs unpatched, ABBA rounds of cold-L2 batches; outputs compared bit for bit.
+- dequantize: the 28672x8192 gate weight alone: bitsandbytes' ``F.dequantize_4bit``, Unsloth's
+  call path (``harness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
+- host: host time per call, queue never full, against the bare cuda-python launch of the same
+  kernel with the same arguments (the floor every launch from Python pays on this host).
+- qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
+  synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
+  the Amdahl prediction that share and the measured kernel speedup allow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from harness import patch
+from harness.perf import gpu_info, gpu_timer
+
+LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
+TOKENS = (16, 64, 256, 1024, 4096)
+ROUNDS = 6  # ABBA: each side measured first in half of them
+SAMPLES = 10  # kept cold-L2 samples per batch
+QLORA_TOKENS = (4, 2048)  # batch x sequence
+QLORA_ROUNDS = 5
+HOST_CALLS = 2000
+# Kernel names the profiler attributes to 4-bit dequantization: bitsandbytes' blockwise decode
+# (the 8-bit absmax decode and the 4-bit one) and ours.
+DEQUANT_KERNELS = ("kDequantizeBlockwise", "dequantize_4bit_kernel")
+
+
+def interleaved(measure: Callable[[bool], float], rounds: int) -> dict:
+    """Median of per-round values for unpatched and patched, patch toggled between batches."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for patched in (False, True) if r % 4 in (0, 3) else (True, False):
+            if patched:
+                with patch.bitsandbytes_patched():
+                    times[True].append(measure(True))
+            else:
+                times[False].append(measure(False))
+    ratios = [u / p for u, p in zip(times[False], times[True], strict=True)]
+    return {
+        "unpatched_us": statistics.median(times[False]) * 1e6,
+        "patched_us": statistics.median(times[True]) * 1e6,
+        "speedup": statistics.median(times[False]) / statistics.median(times[True]),
+        "round_speedups": (min(ratios), max(ratios)),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+def _same_bits(run: Callable[[], torch.Tensor]) -> bool:
+    expected = _bits(run())
+    with patch.bitsandbytes_patched():
+        got = _bits(run())
+    return bool(torch.equal(got, expected))
+
+
+def layer_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens, rounds: int) -> list[dict]:
+    import bitsandbytes as bnb
+
+    from harness import cases
+
+    rows = []
+    for layer, shape in LAYER_SHAPES.items():
+        W, qs = cases.quantize_weights(shape, "nf4", 64, True, torch.bfloat16, seed=0, device=device)
+        for m in tokens:
+            x = torch.randn(m, shape[1], device=device, dtype=torch.bfloat16)
+            xg = x.clone().requires_grad_()
+            gy = torch.randn(m, shape[0], device=device, dtype=torch.bfloat16)
+
+            def forward(x=x, W=W, qs=qs):
+                with torch.no_grad():
+                    return bnb.matmul_4bit(x, W.t(), qs)
+
+            def forward_backward(xg=xg, gy=gy, W=W, qs=qs):
+                (grad,) = torch.autograd.grad(bnb.matmul_4bit(xg, W.t(), qs), xg, gy)
+                return grad
+
+            for pass_name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+                row = interleaved(lambda _p, fn=fn: timer.batch(fn, SAMPLES).median_s, rounds)
+                before = patch.routed_calls()
+                row["bit-identical"] = _same_bits(fn)
+                after = patch.routed_calls()
+                seams = [k.split(":")[0] for k in after if k.endswith(": ours") and after[k] != before.get(k, 0)]
+                rows.append(
+                    {"layer": f"{layer} {shape[0]}x{shape[1]}", "M": m, "pass": pass_name, **row, "ours via": seams}
+                )
+        del W, qs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def dequantize_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
+    import bitsandbytes.functional as F
+
+    from harness import cases
+    from harness.peers import unsloth_style
+
+    A, qs = cases.quantize_weights(LAYER_SHAPES["gate"], "nf4", 64, True, torch.bfloat16, seed=1, device=device)
+    expected = _bits(F.dequantize_4bit(A, qs))
+    unsloth, _ = unsloth_style.dequantizer(A, qs)
+    calls = {"bitsandbytes F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs), "Unsloth's call path": unsloth}
+    results = {}
+    for name, fn in calls.items():
+        results[name] = (timer.measure(fn), torch.equal(_bits(fn()), expected))
+    with patch.bitsandbytes_patched():
+        fn = calls["ours (patched F.dequantize_4bit)"] = lambda: F.dequantize_4bit(A, qs)
+        results["ours (patched F.dequantize_4bit)"] = (timer.measure(fn), torch.equal(_bits(fn()), expected))
+    base = results["bitsandbytes F.dequantize_4bit"][0].median_s
+    nbytes = A.numel() + qs.absmax.numel() + 2 * qs.shape.numel()
+    return [
+        {
+            "path": name,
+            "median_us": m.median_s * 1e6,
+            "noise": m.noise,
+            "GB/s": nbytes / m.median_s / 1e9,
+            "vs bitsandbytes": base / m.median_s,
+            "bit-identical": same,
+        }
+        for name, (m, same) in results.items()
+    ]
+
+
+def host_rows(device: torch.device) -> list[dict]:
+    """Host microseconds per call; the floor is our kernel launched bare with this call's arguments."""
+    import bitsandbytes.functional as F
+
+    from harness import api, cases, launcher
+    from harness.variants import KERNEL_PARAMS
+
+    A, qs = cases.quantize_weights((1024, 4096), "nf4", 64, True, torch.bfloat16, seed=2, device=device)
+    out = torch.empty(qs.shape, dtype=qs.dtype, device=device)
+    launches = []
+    real_launch = launcher.launch
+    launcher.launch = lambda *a: launches.append(a) or real_launch(*a)
+    try:
+        api.dequantize_4bit(A, qs, out=out)
+    finally:
+        launcher.launch = real_launch
+    (loaded, grid, block, stream, kinds, params) = launches[0]
+    calls = {
+        "floor: bare cuda-python launch": lambda: launcher.launch(loaded, grid, block, stream, kinds, params),
+        "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
+        "ours, out=": lambda: api.dequantize_4bit(A, qs, out=out),
+        "ours": lambda: api.dequantize_4bit(A, qs),
+        "bitsandbytes F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs),
+    }
+    assert kinds == KERNEL_PARAMS
+    times = {}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        times[name] = (time.perf_counter() - t0) / HOST_CALLS * 1e6
+        torch.cuda.synchronize(device)
+    with patch.bitsandbytes_patched():
+        fn = lambda: F.dequantize_4bit(A, qs)  # noqa: E731
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        times["ours via patched F.dequantize_4bit"] = (time.perf_counter() - t0) / HOST_CALLS * 1e6
+        torch.cuda.synchronize(device)
+    floor = times["floor: bare cuda-python launch"]
+    return [{"call": k, "host_us": v, "x floor": v / floor} for k, v in times.items()]
+
+
+def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
+    """(GPU µs in 4-bit dequantization kernels, GPU µs in all kernels) of one call, by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total = dequant = 0.0
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0.0)
+        total += us
+        if any(k in event.key for k in DEQUANT_KERNELS):
+            dequant += us
+    return dequant, total
+
+
+def qlora_rows(rounds: int, tokens=QLORA_TOKENS) -> list[dict]:
+    from harness import qlora
+
+    tmp = qlora.temporary_checkpoint()
+    try:
+        m = qlora.load_qlora(tmp.name, batch=tokens[0], seq=tokens[1])
+
+        def step():
+            return qlora.train_step(m)
+
+        step()
+        row = interleaved(lambda _p: statistics.median(qlora.wall_times(step, 2)), rounds)
+        dq_u, total_u = _dequant_gpu_us(step)
+        with patch.bitsandbytes_patched():
+            dq_p, total_p = _dequant_gpu_us(step)
+        share = dq_u / total_u
+        kernel_speedup = dq_u / dq_p
+        predicted = 1 / ((1 - share) + share / kernel_speedup)
+        row.update(
+            {
+                "tokens": f"{tokens[0]}x{tokens[1]}",
+                "dequant share (unpatched)": share,
+                "dequant GPU ms unpatched / patched": (dq_u / 1e3, dq_p / 1e3),
+                "step GPU ms unpatched / patched": (total_u / 1e3, total_p / 1e3),
+                "kernel speedup": kernel_speedup,
+                "Amdahl prediction": predicted,
+                "ceiling (dequant free)": 1 / (1 - share),
+                "gain achieved / predicted": (row["speedup"] - 1) / (predicted - 1) if predicted > 1 else None,
+            }
+        )
+        return [row]
+    finally:
+        torch.cuda.empty_cache()
+        tmp.cleanup()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    if isinstance(value, tuple):
+        return " / ".join(_fmt(v) for v in value)
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "—"
+    return str(value)
+
+
+def render(tables: dict[str, list[dict]]) -> str:
+    from tabulate import tabulate
+
+    parts = []
+    for name, rows in tables.items():
+        if rows:
+            parts.append(
+                f"### {name}\n\n"
+                + tabulate([{k: _fmt(v) for k, v in r.items()} for r in rows], headers="keys", tablefmt="github")
+            )
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.perf.bnb_paths", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="M = 256 only, 2 rounds, no QLoRA step (a smoke run)")
+    parser.add_argument("--no-qlora", action="store_true", help="skip the QLoRA step")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = gpu_timer.ColdL2Timer(device, clock=gpu_info.sm_clock_reader(gpu_info.nvml_device(device.index)))
+    rounds = 2 if args.quick else ROUNDS
+    tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}
+    tables["dequantize"] = dequantize_rows(timer, device)
+    tables["host"] = host_rows(device)
+    tables["layers"] = layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds)
+    if not (args.quick or args.no_qlora):
+        tables["qlora"] = qlora_rows(QLORA_ROUNDS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = render({k: v for k, v in tables.items() if k != "machine"})
+    (args.out / "bnb-paths.md").write_text(text)
+    (args.out / "bnb-paths.json").write_text(json.dumps(tables, indent=1, default=str) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Our kernel as registered PyTorch ops, so ``torch.compile``d graphs run it.
+
+TorchDynamo cannot trace the launcher (it passes raw pointers to the driver), so the patched
+``dequantize_4bit`` calls these ops while it is being traced: the graph holds one opaque
+``nf4_harness::dequantize_4bit`` node (nested decode fused, as in eager mode), whose fake
+implementation gives the compiler the output's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness import api, patch
+from harness.variants import BLOCKSIZES
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op("nf4_harness::dequantize_4bit", mutates_args=())
+def dequantize_4bit(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+) -> torch.Tensor:
+    out = _run(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
+    return out
+
+
+@dequantize_4bit.register_fake
+def _(A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value):
+    return A.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("nf4_harness::dequantize_4bit_out", mutates_args=("out",))
+def dequantize_4bit_out(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+    out: torch.Tensor,
+) -> None:
+    _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
+
+
+@dequantize_4bit_out.register_fake
+def _(A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out):
+    return None
+
+
+def _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
+    nested = {}
+    if code2 is not None:
+        nested = {
+            "code2": code2,
+            "absmax2": absmax2,
+            "blocksize2": blocksize2,
+            "offset": offset if offset is not None else offset_value,
+        }
+    result = api.dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+    patch._count("compiled op", True)
+    return result
+
+
+def takes(A, quant_state) -> bool:
+    """Whether a traced call is one our kernel takes, judged on what tracing knows; anything
+    else stays with bitsandbytes' own traced ops."""
+    if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dtype == torch.uint8 and A.dim() > 0):
+        return False
+    if quant_state.dtype not in _OUT_DTYPES or quant_state.blocksize not in BLOCKSIZES:
+        return False
+    if quant_state.quant_type not in ("nf4", "fp4"):
+        return False
+    if quant_state.nested:
+        state2 = quant_state.state2
+        return state2 is not None and state2.dtype == torch.float32 and quant_state.offset is not None
+    return True
+
+
+def call(A, quant_state, out):
+    """The traced equivalent of ``api.dequantize_4bit(A, quant_state, out=out)``."""
+    offset, offset_value, code2, absmax2, blocksize2 = None, 0.0, None, None, 0
+    if quant_state.nested:
+        state2 = quant_state.state2
+        code2, absmax2, blocksize2 = state2.code, state2.absmax, state2.blocksize
+        if isinstance(quant_state.offset, torch.Tensor):
+            offset = quant_state.offset
+        else:
+            offset_value = float(quant_state.offset)
+    args = (
+        A,
+        quant_state.absmax,
+        quant_state.blocksize,
+        quant_state.quant_type,
+        list(quant_state.shape),
+        quant_state.dtype,
+        code2,
+        absmax2,
+        blocksize2,
+        offset,
+        offset_value,
+    )
+    if out is None:
+        result = torch.ops.nf4_harness.dequantize_4bit(*args)
+    else:
+        torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
+        result = out
+    # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
+    return result.t() if A.shape[0] == 1 else result
