@@ -4,6 +4,9 @@ TorchDynamo cannot trace the launcher (it passes raw pointers to the driver), so
 ``dequantize_4bit`` calls these ops while it is being traced: the graph holds one opaque
 ``nf4_harness::dequantize_4bit`` node (nested decode fused, as in eager mode), whose fake
 implementation gives the compiler the output's shape and dtype.
+
+The ops are registered once per process: a second copy of ``harness`` loaded beside this one
+(the perf gate's A/B process holds two) finds them registered and calls the first copy's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from harness.variants import BLOCKSIZES
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@torch.library.custom_op("nf4_harness::dequantize_4bit", mutates_args=())
 def dequantize_4bit(
     A: torch.Tensor,
     absmax: torch.Tensor,
@@ -30,16 +32,15 @@ def dequantize_4bit(
     offset: torch.Tensor | None,
     offset_value: float,
 ) -> torch.Tensor:
-    out = _run(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
-    return out
+    return _run(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
 
 
-@dequantize_4bit.register_fake
-def _(A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value):
+def _dequantize_4bit_fake(
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value
+):
     return A.new_empty(shape, dtype=dtype)
 
 
-@torch.library.custom_op("nf4_harness::dequantize_4bit_out", mutates_args=("out",))
 def dequantize_4bit_out(
     A: torch.Tensor,
     absmax: torch.Tensor,
@@ -57,9 +58,22 @@ def dequantize_4bit_out(
     _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
 
 
-@dequantize_4bit_out.register_fake
-def _(A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out):
+def _dequantize_4bit_out_fake(
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out
+):
     return None
+
+
+def _register() -> None:
+    if hasattr(torch.ops.nf4_harness, "dequantize_4bit"):
+        return  # another copy of harness in this process registered them
+    op = torch.library.custom_op("nf4_harness::dequantize_4bit", dequantize_4bit, mutates_args=())
+    op.register_fake(_dequantize_4bit_fake)
+    op_out = torch.library.custom_op("nf4_harness::dequantize_4bit_out", dequantize_4bit_out, mutates_args=("out",))
+    op_out.register_fake(_dequantize_4bit_out_fake)
+
+
+_register()
 
 
 def _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):

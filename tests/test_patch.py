@@ -411,3 +411,14 @@ def test_the_bitsandbytes_op_and_its_out_overload_run_our_kernel(F, cuda, run_se
     assert_bit_exact(got, expected)
     assert_bit_exact(out, expected, "out overload")
     assert_bit_exact(compiled, expected, "compiled graph holding bitsandbytes' op")
+
+
+def test_a_second_copy_of_the_op_module_keeps_the_first_registration():
+    """The perf gate's A/B process loads two copies of harness; the second must not re-register."""
+    import importlib
+
+    from harness import torch_op
+
+    first = torch.ops.nf4_harness.dequantize_4bit.default
+    importlib.reload(torch_op)
+    assert torch.ops.nf4_harness.dequantize_4bit.default is first
