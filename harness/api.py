@@ -77,25 +77,24 @@ def dequantize_4bit(
     """
     if quant_state is None:
         if absmax is None or out is None:
-            raise ValueError("dequantize_4bit requires both absmax and out when quant_state is not provided")
+            _fail("dequantize_4bit requires both absmax and out when quant_state is not provided")
         if not isinstance(out, torch.Tensor):
             _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
         result = dequantize_packed(
             A, absmax, 64 if blocksize is None else blocksize, quant_type, out.shape, out.dtype, out
         )
     else:
-        state2 = getattr(quant_state, "state2", None)
-        nested = bool(getattr(quant_state, "nested", state2 is not None))  # what bitsandbytes branches on
+        try:  # read every field first, so only a quant state's own gap is reported as one
+            absmax, shape, dtype = quant_state.absmax, quant_state.shape, quant_state.dtype
+            blocksize, quant_type = quant_state.blocksize, quant_state.quant_type
+            state2 = getattr(quant_state, "state2", None)
+            nested = bool(getattr(quant_state, "nested", state2 is not None))  # what bitsandbytes branches on
+            if nested and state2 is not None:
+                code2, absmax2, blocksize2 = state2.code, state2.absmax, getattr(state2, "blocksize", None)
+        except AttributeError as e:
+            _fail(f"quant_state must be a bitsandbytes QuantState: {e}")
         if not nested:
-            result = dequantize_packed(
-                A,
-                quant_state.absmax,
-                quant_state.blocksize,
-                quant_state.quant_type,
-                quant_state.shape,
-                quant_state.dtype,
-                out,
-            )
+            result = dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out)
         else:
             if state2 is None:
                 _fail("quant_state.nested is set but quant_state.state2 is None")
@@ -106,15 +105,15 @@ def dequantize_4bit(
                 _fail("nested quant_state has no offset")
             result = dequantize_packed(
                 A,
-                quant_state.absmax,
-                quant_state.blocksize,
-                quant_state.quant_type,
-                quant_state.shape,
-                quant_state.dtype,
+                absmax,
+                blocksize,
+                quant_type,
+                shape,
+                dtype,
                 out,
-                code2=state2.code,
-                absmax2=state2.absmax,
-                blocksize2=getattr(state2, "blocksize", None),
+                code2=code2,
+                absmax2=absmax2,
+                blocksize2=blocksize2,
                 offset=offset,
             )
     # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
@@ -143,12 +142,12 @@ def dequantize_packed(
     None) shaped ``shape``; never transposes."""
     # Same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
-        raise ValueError(f"invalid blocksize {blocksize}")
+        _fail(f"invalid blocksize {blocksize}")
     if quant_type != "nf4" and quant_type != "fp4":
-        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+        _fail(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
     out_name = _OUT_NAME.get(dtype)
     if out_name is None:
-        raise ValueError(f"Blockwise 4bit dequantization only supports 16/32-bit floats, but got {dtype}")
+        _fail(f"Blockwise 4bit dequantization only supports 16/32-bit floats, but got {dtype}")
 
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")

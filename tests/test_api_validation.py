@@ -7,6 +7,7 @@ GPU, checks that nothing was launched, then runs a good case and checks its bits
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,9 +38,9 @@ def _cpu_state(**overrides):
 
 def test_absmax_and_out_are_required_without_quant_state():
     A = torch.zeros(64, 1, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="requires both absmax and out"):
+    with pytest.raises(DequantizeInputError, match="requires both absmax and out"):
         harness.dequantize_4bit(A, absmax=torch.ones(2))
-    with pytest.raises(ValueError, match="requires both absmax and out"):
+    with pytest.raises(DequantizeInputError, match="requires both absmax and out"):
         harness.dequantize_4bit(A, out=torch.empty(128))
 
 
@@ -54,8 +55,26 @@ def test_absmax_and_out_are_required_without_quant_state():
     ],
 )
 def test_unsupported_configuration_raises_like_bitsandbytes(override, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DequantizeInputError, match=message):
         harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), _cpu_state(**override))
+
+
+@pytest.mark.parametrize(
+    ("state", "missing"),
+    [
+        ("not a state", "'str' object has no attribute 'absmax'"),
+        ({"absmax": 1}, "'dict' object has no attribute 'absmax'"),
+        (SimpleNamespace(absmax=torch.ones(2), shape=(8, 16)), "has no attribute 'dtype'"),
+        (
+            SimpleNamespace(**{**vars(_cpu_state()), "nested": True, "state2": SimpleNamespace(absmax=torch.ones(1))}),
+            "has no attribute 'code'",
+        ),
+    ],
+    ids=["str", "dict", "partial", "nested-without-code"],
+)
+def test_an_object_that_is_not_a_quant_state_is_an_input_error(state, missing):
+    with pytest.raises(DequantizeInputError, match=rf"quant_state must be a bitsandbytes QuantState: .*{missing}"):
+        harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), state)
 
 
 def test_cpu_tensor_is_rejected_before_cuda_is_touched():
