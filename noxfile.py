@@ -122,16 +122,37 @@ def correctness(session: nox.Session) -> None:
         session.run(_python(session), *args, *session.posargs)
         return
     args.append("--require-gpu")  # a skipped GPU case fails the run
+    posargs = list(session.posargs)
+    user_marks = _take_marker(posargs)
     if gpus == 1:
         session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
-        session.run(_python(session), *args, "-m", "not multigpu", *session.posargs)
+        session.run(_python(session), *args, "-m", _and_marks("not multigpu", user_marks), *posargs)
         return
     # One pytest-xdist worker per GPU, each pinned to its GPU (tests/conftest.py), then the cases
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
     env = {"NF4_HARNESS_WORKER_GPUS": ",".join(map(str, range(gpus)))}
-    session.run(_python(session), *args, "-n", str(gpus), "-m", "not multigpu", *session.posargs, env=env)
-    session.run(_python(session), *args, "-m", "multigpu", *session.posargs)
+    single = _and_marks("not multigpu", user_marks)
+    session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=env)
+    session.run(_python(session), *args, "-m", _and_marks("multigpu", user_marks), *posargs)
+
+
+def _take_marker(args: list[str]) -> str | None:
+    """Remove a user's ``-m EXPR`` (or ``-mEXPR``, ``-m=EXPR``) from ``args``; pytest would let it
+    replace the session's own selection instead of narrowing it."""
+    for i, arg in enumerate(args):
+        if arg == "-m" and i + 1 < len(args):
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith("-m") and len(arg) > 2 and not arg.startswith("--"):
+            del args[i]
+            return arg[2:].removeprefix("=")
+    return None
+
+
+def _and_marks(session_marks: str, user_marks: str | None) -> str:
+    return f"({session_marks}) and ({user_marks})" if user_marks else session_marks
 
 
 def _take_option(args: list[str], name: str) -> str | None:

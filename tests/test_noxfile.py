@@ -105,3 +105,19 @@ def test_xdist_workers_are_pinned_one_gpu_each(monkeypatch):
         _pin_xdist_worker_to_gpu()
         seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
     assert seen == ["0", "1", "0"]
+
+
+def test_a_users_marker_filter_narrows_the_sessions_instead_of_replacing_it():
+    """`nox -s correctness -- -m "not huge"` on one GPU must still deselect multi-GPU cases."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import noxfile
+    finally:
+        sys.path.remove(str(ROOT))
+    for given in (["-m", "not huge", "-x"], ["-mnot huge", "-x"], ["-m=not huge", "-x"]):
+        args = list(given)
+        assert noxfile._and_marks("not multigpu", noxfile._take_marker(args)) == "(not multigpu) and (not huge)"
+        assert args == ["-x"]
+    args = ["-k", "nested", "--maxfail=2"]
+    assert noxfile._and_marks("not multigpu", noxfile._take_marker(args)) == "not multigpu"
+    assert args == ["-k", "nested", "--maxfail=2"]
