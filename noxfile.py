@@ -230,3 +230,18 @@ def bnb_paths(session: nox.Session) -> None:
     _install(session, "test", "perf", "e2e", torch=True)
     out = Path(session.invoked_from) / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out")
     session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs)
+
+
+@nox.session(venv_params=["--system-site-packages"], default=False)
+def sanitize(session: nox.Session) -> None:
+    """compute-sanitizer memcheck, racecheck, synccheck and initcheck over the kernel's reduced matrix (GPU only).
+
+    ``-- --tools memcheck`` picks tools; ``-- --inputs bnb`` feeds bitsandbytes-quantized weights
+    and prints each buffer's address range (to trace an uninitialized read); logs land in
+    ``NF4_HARNESS_PERF_OUT`` (perf-out)/sanitize.
+    """
+    if not gpu_count():
+        session.error("nox -s sanitize needs an NVIDIA GPU: none is visible on this machine")
+    _install(session, "test", torch=True)
+    out = Path(session.invoked_from) / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out") / "sanitize"
+    session.run(_python(session), "-m", "harness.sanitize", f"--out={out}", *session.posargs)
