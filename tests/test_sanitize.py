@@ -1,10 +1,7 @@
-"""The sanitizer session's report reading (CPU) and the session itself (GPU, compute-sanitizer)."""
+"""How the sanitizer session reads compute-sanitizer's reports (CPU); the session itself is
+``nox -s sanitize`` on a GPU machine."""
 
 from __future__ import annotations
-
-import shutil
-
-import pytest
 
 from harness import sanitize
 
@@ -25,13 +22,13 @@ def test_report_counts_kernel_errors_apart_from_host_api_noise():
     assert sanitize.count_errors(clean) == {"errors in our kernel": 0, "host API errors": 0}
 
 
+def test_racecheck_hazards_count_as_errors_in_our_kernel():
+    report = "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n"
+    assert sanitize.count_errors(report) == {"errors in our kernel": 3, "host API errors": 0}
+    clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert sanitize.count_errors(clean)["errors in our kernel"] == 0
+
+
 def test_a_report_without_a_summary_is_not_read_as_clean():
-    with pytest.raises(ValueError, match="did not finish"):
-        sanitize.count_errors("========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n")
-
-
-@pytest.mark.gpu
-def test_memcheck_and_initcheck_find_nothing_in_our_kernel(bnb, cuda, tmp_path):
-    if shutil.which("compute-sanitizer") is None:
-        pytest.fail("compute-sanitizer is not on PATH: the CUDA toolkit is incomplete on this GPU machine")
-    assert sanitize.main(["--tools=memcheck,initcheck", f"--out={tmp_path}"]) == 0
+    report = "========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
+    assert sanitize.count_errors(report)["errors in our kernel"] is None
