@@ -68,6 +68,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.failed and hasattr(report.longrepr, "addsection") and "run_seed" in getattr(item, "funcargs", {}):
+        # In the failure itself, not only in captured output: the command that replays this case
+        # (per-case seeds are derived from the run's seed and the case's parameters).
+        seed = item.funcargs["run_seed"]
+        report.longrepr.addsection("replay", f"NF4_HARNESS_SEED={seed} python -m pytest '{item.nodeid}'")
     if not report.skipped or "gpu" not in item.keywords:
         return
     if item.config.getoption("--require-gpu"):
@@ -89,8 +94,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         nvml = gpu_identity().get("nvml")
         if nvml != "ok":
             terminalreporter.write_line(f"NVML: {nvml} (no GPU identity to record on this machine)")
-    if _counts["gpu_not_run"]:
-        terminalreporter.write_line(
+
+
+def pytest_unconfigure(config):
+    # After pytest's own result line, so a CPU run's last line says what it did not prove.
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if _counts["gpu_not_run"] and reporter is not None:
+        reporter.write_line(
             f"GPU: {_counts['gpu_not_run']} GPU tests not run (no CUDA GPU visible); "
             "run `nox -s correctness` on a GPU machine for the bit-exactness verdict",
             yellow=True,

@@ -1,0 +1,45 @@
+"""What a run tells its user: a failing seeded case names the command that replays it, in the
+failure itself; a CPU run's last line says how many GPU tests did not run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAILING = """
+import pytest
+
+def test_seeded_case_fails(run_seed):
+    assert run_seed < 0, "planted failure"
+
+@pytest.mark.gpu
+def test_needs_gpu():
+    pass
+"""
+
+
+def _run(tmp_path: Path, *args: str, seed: str | None = None) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_planted.py").write_text(FAILING)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    if seed is not None:
+        env["NF4_HARNESS_SEED"] = seed
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+
+
+def test_a_failure_carries_the_command_that_replays_it(tmp_path):
+    done = _run(tmp_path, seed="1234")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "NF4_HARNESS_SEED=1234 python -m pytest 'test_planted.py::test_seeded_case_fails'" in done.stdout
+
+
+def test_the_last_line_of_a_cpu_run_says_which_gpu_tests_did_not_run(tmp_path):
+    done = _run(tmp_path, "-k", "gpu")
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1].startswith("GPU: 1 GPU tests not run"), done.stdout
