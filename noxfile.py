@@ -100,6 +100,7 @@ def _actionlint(session: nox.Session) -> None:
 def compile(session: nox.Session) -> None:
     """NVRTC-compile every kernel for sm_80/86/89/90 (no GPU); fail on new spills or register growth.
 
+    Prints the per-kernel table only when something changed (``nox -s compile -- -v`` always);
     ``nox -s compile -- --update`` re-records baselines/ptxas-resources.json.
     """
     record = Path("baselines/ptxas-resources.json")

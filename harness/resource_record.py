@@ -71,11 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--update", action="store_true", help="rewrite the record with this build's figures")
     parser.add_argument("--record", type=Path, default=DEFAULT_RECORD)
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the table even when nothing changed")
     args = parser.parse_args(argv)
 
     current = measure()
-    print(table(current))
     if args.update:
+        print(table(current))
         args.record.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
         print(f"wrote {args.record}")
         return 0
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no resource record at {args.record}; create it with: {UPDATE_COMMAND}")
         return 1
     failures, notes = compare(json.loads(args.record.read_text()), current)
+    if failures or notes or args.verbose:  # quiet when every kernel matches its record
+        print(table(current))
     for note in notes:
         print(f"note: {note}")
     for failure in failures:

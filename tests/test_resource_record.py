@@ -80,3 +80,18 @@ def test_cli_fails_against_a_tighter_record(tmp_path):
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "registers" in done.stdout and "nox -s compile -- --update" in done.stdout
+
+
+def test_cli_prints_the_table_only_when_something_changed_or_asked(tmp_path, monkeypatch, capsys):
+    current = {"nvrtc": "13.0", "kernels": {"k@sm_90": dict.fromkeys(resource_record.FIELDS, 0) | {"registers": 32}}}
+    monkeypatch.setattr(resource_record, "measure", lambda: current)
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(current))
+    assert resource_record.main(["--record", str(path)]) == 0
+    quiet = capsys.readouterr().out
+    assert quiet.strip() == "resource check passed: 1 kernels within the record"
+    assert resource_record.main(["--record", str(path), "-v"]) == 0
+    assert "kernel@arch" in capsys.readouterr().out
+    current["kernels"]["k@sm_90"]["registers"] = 40
+    assert resource_record.main(["--record", str(path)]) == 1
+    assert "kernel@arch" in capsys.readouterr().out
