@@ -7,6 +7,7 @@ interpreter and installs nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,8 +22,19 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "compile", "correctness"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
-# CPU-only CI pins a CPU build of PyTorch here; GPU runners already have theirs.
-TORCH_SPEC = os.environ.get("NF4_HARNESS_TORCH_SPEC", "torch")
+
+
+def _load_settings():
+    """harness/settings.py (standard library only), loaded by path: nox runs outside the venv."""
+    path = Path(__file__).resolve().parent / "harness" / "settings.py"
+    spec = importlib.util.spec_from_file_location("nf4_harness_settings", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+SETTINGS = _load_settings()
 
 
 def _no_venv(session: nox.Session) -> bool:
@@ -37,7 +49,8 @@ def _install(
         session.log("--no-venv: using the packages of the current interpreter, installing nothing")
         return
     if torch and not _has_module(session, "torch"):
-        session.install(TORCH_SPEC)
+        # CPU-only CI pins a CPU build of PyTorch here; GPU runners already have theirs.
+        session.install(SETTINGS.TORCH_SPEC.get())
     reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
     if project and torch:
         session.install("-e", ".", *reqs, *extra)
@@ -59,7 +72,7 @@ def _has_module(session: nox.Session, name: str) -> bool:
 
 def gpu_count() -> int:
     """GPUs visible to this machine (``NF4_HARNESS_GPUS`` overrides), via nvidia-smi."""
-    if (forced := os.environ.get("NF4_HARNESS_GPUS")) is not None:
+    if (forced := SETTINGS.GPUS.get()) is not None:
         return int(forced)
     smi = shutil.which("nvidia-smi")
     if not smi:
@@ -132,7 +145,7 @@ def correctness(session: nox.Session) -> None:
     # One pytest-xdist worker per GPU, each pinned to its GPU (tests/conftest.py), then the cases
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
-    env = {"NF4_HARNESS_WORKER_GPUS": ",".join(map(str, range(gpus)))}
+    env = {SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))}
     single = _and_marks("not multigpu", user_marks)
     session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=env)
     session.run(_python(session), *args, "-m", _and_marks("multigpu", user_marks), *posargs)
@@ -195,7 +208,7 @@ def perf(session: nox.Session) -> None:
         session.run("git", "worktree", "add", "--detach", base_dir, against, external=True)
     judge = (invoked / base_dir).resolve() if base_dir else candidate.resolve()
     _install(session, "test", "perf", "e2e", torch=True)
-    out = invoked / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out")
+    out = invoked / SETTINGS.PERF_OUT.get()
     out.mkdir(parents=True, exist_ok=True)
     sides = [f"--candidate-dir={candidate.resolve()}", *([f"--base-dir={judge}"] if base_dir else [])]
     session.chdir(judge)  # the judge's tests, conftest and harness run the session
@@ -229,7 +242,7 @@ def bnb_paths(session: nox.Session) -> None:
     if not gpu_count():
         session.error("nox -s bnb-paths needs an NVIDIA GPU: none is visible on this machine")
     _install(session, "test", "perf", "e2e", torch=True)
-    out = Path(session.invoked_from) / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out")
+    out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get()
     session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs)
 
 
@@ -244,5 +257,5 @@ def sanitize(session: nox.Session) -> None:
     if not gpu_count():
         session.error("nox -s sanitize needs an NVIDIA GPU: none is visible on this machine")
     _install(session, "test", torch=True)
-    out = Path(session.invoked_from) / os.environ.get("NF4_HARNESS_PERF_OUT", "perf-out") / "sanitize"
+    out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get() / "sanitize"
     session.run(_python(session), "-m", "harness.sanitize", f"--out={out}", *session.posargs)

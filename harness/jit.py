@@ -21,13 +21,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import settings
 from harness.errors import KernelCompileError, ToolchainMissingError
 from harness.ptxas_report import KernelResources, parse_ptxas_log
 
 # Bump when the cache layout or anything else outside the key's inputs changes what is stored.
 CACHE_SCHEMA = 1
-CACHE_ENV = "NF4_HARNESS_CACHE_DIR"
-KERNELS_ENV = "NF4_HARNESS_KERNELS_DIR"
 # Architectures the CPU-side compile check covers (Ampere, consumer Ampere, Ada, Hopper).
 CHECKED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
@@ -49,7 +48,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
 
 def kernels_dir() -> Path:
     """Directory holding the CUDA sources: an override, the installed copy, or the repo's ``kernels/``."""
-    if env := os.environ.get(KERNELS_ENV):
+    if env := settings.KERNELS_DIR.get():
         return Path(env)
     installed = Path(__file__).with_name("_kernels")
     if installed.is_dir():
@@ -58,7 +57,7 @@ def kernels_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    if env := os.environ.get(CACHE_ENV):
+    if env := settings.CACHE_DIR.get():
         return Path(env)
     import platformdirs
 

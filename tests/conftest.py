@@ -14,6 +14,8 @@ import random
 import pytest
 import torch
 
+from harness import settings
+
 PINNED_BITSANDBYTES = "0.50.2"
 _counts = {"gpu_not_run": 0}
 
@@ -22,7 +24,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--require-gpu",
         action="store_true",
-        default=os.environ.get("NF4_HARNESS_REQUIRE_GPU") == "1",
+        default=settings.REQUIRE_GPU.get() == "1",
         help="treat a skipped GPU test as a failure (gating runs on GPU machines)",
     )
     parser.addoption(
@@ -39,7 +41,7 @@ def _pin_xdist_worker_to_gpu() -> None:
     Runs before anything initialises CUDA in the worker, so CUDA_VISIBLE_DEVICES still applies.
     """
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    gpus = [g for g in os.environ.get("NF4_HARNESS_WORKER_GPUS", "").split(",") if g]
+    gpus = [g for g in (settings.WORKER_GPUS.get() or "").split(",") if g]
     if worker.startswith("gw") and gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]
 
@@ -72,7 +74,7 @@ def pytest_runtest_makereport(item, call):
         # In the failure itself, not only in captured output: the command that replays this case
         # (per-case seeds are derived from the run's seed and the case's parameters).
         seed = item.funcargs["run_seed"]
-        report.longrepr.addsection("replay", f"NF4_HARNESS_SEED={seed} python -m pytest '{item.nodeid}'")
+        report.longrepr.addsection("replay", f"{settings.SEED.name}={seed} python -m pytest '{item.nodeid}'")
     if not report.skipped or "gpu" not in item.keywords:
         return
     if item.config.getoption("--require-gpu"):
@@ -111,8 +113,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def run_seed() -> int:
     """A fresh seed each run (printed, so a failure can be replayed with NF4_HARNESS_SEED)."""
-    seed = int(os.environ.get("NF4_HARNESS_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"\nnf4-harness seed: NF4_HARNESS_SEED={seed}")
+    seed = int(settings.SEED.get() or random.SystemRandom().randrange(2**31))
+    print(f"\nnf4-harness seed: {settings.SEED.name}={seed}")
     return seed
 
 

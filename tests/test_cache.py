@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 
-from harness import jit, launcher
+from harness import jit, launcher, settings
 from harness.variants import KernelVariant
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -109,7 +109,7 @@ def _worker(args):
     cache_dir, src_dir = args
     import os
 
-    os.environ[jit.CACHE_ENV] = cache_dir
+    os.environ[settings.CACHE_DIR.name] = cache_dir
     from pathlib import Path
 
     return jit.compile_kernel(_spec(Path(src_dir))).from_cache

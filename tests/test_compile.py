@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import jit
+from harness import jit, settings
 from harness.errors import KernelCompileError, ToolchainMissingError
 from harness.variants import ENTRY, all_variants
 
@@ -43,7 +43,7 @@ def compiled_all():
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -122,3 +122,33 @@ def test_a_users_marker_filter_narrows_the_sessions_instead_of_replacing_it():
     args = ["-k", "nested", "--maxfail=2"]
     assert noxfile._and_marks("not multigpu", noxfile._take_marker(args)) == "not multigpu"
     assert args == ["-k", "nested", "--maxfail=2"]
+
+
+def test_every_nf4_harness_variable_is_declared_once_in_settings():
+    """One place: any NF4_HARNESS_* name the code, workflows or docs use is a declared setting,
+    and no module reads one at import time (the only reader is Setting.get)."""
+    import re
+
+    from harness import settings
+
+    declared = {s.name for s in settings.ALL}
+    assert len(declared) == len(settings.ALL)
+    used = set()
+    files = [*ROOT.glob("harness/**/*.py"), *ROOT.glob("tests/**/*.py"), ROOT / "noxfile.py", ROOT / "README.md"]
+    files += [*ROOT.glob(".github/workflows/*.yml"), ROOT / ".ci" / "run"]
+    for path in files:
+        used |= set(re.findall(r"NF4_HARNESS_[A-Z0-9_]+", path.read_text()))
+    assert used <= declared, f"not declared in harness/settings.py: {sorted(used - declared)}"
+    readers = [
+        p.relative_to(ROOT)
+        for p in [*ROOT.glob("harness/**/*.py"), ROOT / "noxfile.py", ROOT / "tests" / "conftest.py"]
+        if re.search(r"environ(\.get)?\(\s*['\"]NF4_HARNESS_|environ\[\s*['\"]NF4_HARNESS_", p.read_text())
+    ]
+    assert readers == [], f"read the environment directly: {readers}"
+
+
+def test_readme_lists_every_setting():
+    from harness import settings
+
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"| `{s.name}` |" in readme for s in settings.ALL)

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import settings
 from harness.perf import baseline, gate, gpu_info, policy, sides
 from harness.perf.catalog import E2E_STEP, KernelCase
 from harness.perf.stats import PairedRatio
@@ -40,7 +41,7 @@ class Worker:
     """The driver's end of the measuring process."""
 
     def __init__(self, side_roots: dict[str, Path]):
-        env = {k: v for k, v in os.environ.items() if k != "NF4_HARNESS_KERNELS_DIR"}  # each side its own kernels/
+        env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}  # each side its own kernels/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(JUDGE_ROOT), env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         sides_args = [a for name, root in side_roots.items() for a in ("--side", f"{name}={root}")]

@@ -1,0 +1,32 @@
+"""Every ``NF4_HARNESS_*`` environment variable, in one place. Each is read when used, never at
+import, so a test or a session can set one after the harness is imported.
+
+Standard library only: the noxfile loads this file too, outside any virtualenv.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str | None
+    meaning: str
+
+    def get(self) -> str | None:
+        return os.environ.get(self.name, self.default)
+
+
+CACHE_DIR = Setting("NF4_HARNESS_CACHE_DIR", None, "compiled-kernel cache directory (default: the user cache dir)")
+KERNELS_DIR = Setting("NF4_HARNESS_KERNELS_DIR", None, "CUDA sources to compile instead of the package's kernels/")
+SEED = Setting("NF4_HARNESS_SEED", None, "the run's random seed; a failure prints the one that replays it")
+REQUIRE_GPU = Setting("NF4_HARNESS_REQUIRE_GPU", None, "1: a skipped GPU test fails the run (as --require-gpu)")
+GPUS = Setting("NF4_HARNESS_GPUS", None, "how many GPUs nox assumes (default: counted by nvidia-smi)")
+WORKER_GPUS = Setting("NF4_HARNESS_WORKER_GPUS", None, "set by nox: the GPUs its pytest-xdist workers pin, one each")
+PERF_OUT = Setting("NF4_HARNESS_PERF_OUT", "perf-out", "where the GPU report sessions write their tables and logs")
+TORCH_SPEC = Setting("NF4_HARNESS_TORCH_SPEC", "torch", "the PyTorch requirement nox installs where none is present")
+
+ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC)
