@@ -19,6 +19,9 @@ import nox
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "venv"
+# A second run reuses the session's virtualenv (pip then only checks what is there); rebuild one
+# with `nox --reuse-venv=no -s NAME`.
+nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "compile", "correctness"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")

@@ -152,3 +152,13 @@ def test_readme_lists_every_setting():
 
     readme = (ROOT / "README.md").read_text()
     assert all(f"| `{s.name}` |" in readme for s in settings.ALL)
+
+
+def test_a_second_run_reuses_the_sessions_virtualenv():
+    """A rebuilt virtualenv costs minutes on a CPU box; a reused one, a pip check."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import noxfile
+    finally:
+        sys.path.remove(str(ROOT))
+    assert noxfile.nox.options.reuse_venv == "yes"
