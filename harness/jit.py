@@ -18,7 +18,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness import settings
@@ -149,10 +149,15 @@ class CompileSpec:
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.key_material(), sort_keys=True).encode()).hexdigest()
+        return _digest(self.key_material())
 
-    def artifact_stem(self) -> str:
-        return f"{self.label}-{self.arch}-{self.key[:20]}"
+    def artifact_stem(self, key: str | None = None) -> str:
+        """The cache entry's file stem: label, arch and key (pass ``key`` when already computed)."""
+        return f"{self.label}-{self.arch}-{(key or self.key)[:20]}"
+
+
+def _digest(key_material: dict) -> str:
+    return hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -163,7 +168,6 @@ class CompiledKernel:
     log: str
     path: Path | None = None
     from_cache: bool = False
-    meta: dict = field(default_factory=dict)
 
 
 def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
@@ -244,18 +248,19 @@ def _read_entry(stem_path: Path, key: str) -> CompiledKernel | None:
         resources = [KernelResources(**r) for r in meta["resources"]]
     except (KeyError, TypeError):
         return None
-    return CompiledKernel(key, cubin, resources, meta.get("log", ""), cubin_path, True, meta)
+    return CompiledKernel(key, cubin, resources, meta.get("log", ""), cubin_path, True)
 
 
 def compile_kernel(spec: CompileSpec, use_cache: bool = True) -> CompiledKernel:
     """Compile ``spec`` to a cubin, through the on-disk cache unless ``use_cache`` is False."""
-    key = spec.key
+    material = spec.key_material()  # digests the source and its includes: once per compile
+    key = _digest(material)
     if not use_cache:
         cubin, log = _nvrtc_compile(spec)
         return CompiledKernel(key, cubin, parse_ptxas_log(log), log)
 
     root = cache_dir() / f"nvrtc-{nvrtc_version()}" / spec.arch
-    stem_path = root / spec.artifact_stem()
+    stem_path = root / spec.artifact_stem(key)
     if hit := _read_entry(stem_path, key):
         return hit
 
@@ -269,7 +274,7 @@ def compile_kernel(spec: CompileSpec, use_cache: bool = True) -> CompiledKernel:
         resources = parse_ptxas_log(log)
         meta = {
             "key": key,
-            "key_material": spec.key_material(),
+            "key_material": material,
             "label": spec.label,
             "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
             "resources": [r.as_dict() for r in resources],
@@ -277,4 +282,4 @@ def compile_kernel(spec: CompileSpec, use_cache: bool = True) -> CompiledKernel:
         }
         _atomic_write(stem_path.with_suffix(".cubin"), cubin)
         _atomic_write(stem_path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-    return CompiledKernel(key, cubin, resources, log, stem_path.with_suffix(".cubin"), False, meta)
+    return CompiledKernel(key, cubin, resources, log, stem_path.with_suffix(".cubin"), False)

@@ -16,7 +16,6 @@ import numpy as np
 
 from harness import jit
 from harness.errors import KernelLaunchError
-from harness.ptxas_report import KernelResources
 from harness.variants import ENTRY, SOURCE, KernelVariant
 
 
@@ -46,7 +45,6 @@ class ArgPacker:
     ``kernelParams`` array cuLaunchKernel reads (it copies them before returning)."""
 
     def __init__(self, kinds: tuple[str, ...]):
-        self.kinds = kinds
         self._struct = struct.Struct("<" + "".join(_SLOT[k] for k in kinds))
         self._buf = np.zeros(len(kinds), dtype=np.uint64)
         base = self._buf.__array_interface__["data"][0]
@@ -62,9 +60,7 @@ class ArgPacker:
 class LoadedKernel:
     variant: KernelVariant | None
     device_index: int
-    arch: str
     kernel: object  # cuda.core Kernel
-    resources: tuple[KernelResources, ...]
     # Per parameter-kinds packing buffer, and the lock that keeps it unchanged during a launch.
     packers: dict = field(default_factory=dict, compare=False, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -108,7 +104,7 @@ def load_source(
         arch = device_arch(device_index)
         compiled = jit.compile_kernel(source_spec(source, arch, macros, label))
         kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
-        loaded = LoadedKernel(variant, device_index, arch, kernel, tuple(compiled.resources))
+        loaded = LoadedKernel(variant, device_index, kernel)
         _loaded[key] = loaded
         return loaded
 
