@@ -18,7 +18,9 @@ from harness import launcher
 from harness.errors import DequantizeInputError
 from harness.variants import BLOCKSIZES, KERNEL_PARAMS, KernelVariant, tiling_for
 
-_OUT_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Output dtypes by the name the kernel variants use: the one map between the two spellings.
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_OUT_NAME = {dtype: name for name, dtype in DTYPES.items()}
 # PyTorch's raw current-stream handle without building a Stream object (what Triton's launcher
 # uses); the public call is the fallback.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

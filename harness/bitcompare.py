@@ -15,12 +15,25 @@ POISON_BITS = {torch.float16: 0x7D5A, torch.bfloat16: 0x7FA5, torch.float32: 0x7
 POISON_ALT_BITS = {torch.float16: 0xFE0F, torch.bfloat16: 0xFF8F, torch.float32: 0xFF80F00F}
 
 
+def as_signed(bits: int, width: int) -> int:
+    """An unsigned ``width``-bit pattern as the signed integer torch's int views hold."""
+    return bits - (1 << width) if bits >= 1 << (width - 1) else bits
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a same-width signed integer tensor (what bit-exact comparisons compare)."""
+    return t.view(_INT_VIEW[t.dtype])
+
+
+def floats_from_bits(bits, device="cpu") -> torch.Tensor:
+    """fp32 values from their unsigned 32-bit patterns."""
+    return torch.tensor([as_signed(b, 32) for b in bits], dtype=torch.int32, device=device).view(torch.float32)
+
+
 def poison_(t: torch.Tensor, alternate: bool = False) -> torch.Tensor:
     """Fill ``t`` in place with a NaN bit pattern no kernel produces."""
     bits = (POISON_ALT_BITS if alternate else POISON_BITS)[t.dtype]
-    width = t.element_size() * 8
-    signed = bits - (1 << width) if bits >= 1 << (width - 1) else bits
-    t.view(_INT_VIEW[t.dtype]).fill_(signed)
+    int_view(t).fill_(as_signed(bits, t.element_size() * 8))
     return t
 
 

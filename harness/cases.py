@@ -5,12 +5,15 @@ bitsandbytes is imported lazily: CPU-only callers of the raw-input builders don'
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from harness.api import DTYPES
+from harness.bitcompare import floats_from_bits
+from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
 
 # fp32 scales that stress the multiply and the final rounding: zeros of both signs, the smallest
 # subnormal and normal, values that overflow fp16/bf16 once scaled, infinities, quiet and signalling
@@ -24,16 +27,21 @@ SPECIAL_SCALE_BITS = (
 
 
 def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in _DTYPES.items() if v == dtype)
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
-def floats_from_bits(bits, device="cpu") -> torch.Tensor:
-    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
-    return torch.tensor(signed, dtype=torch.int32, device=device).view(torch.float32)
+def format_matrix(blocksizes=BLOCKSIZES) -> list[tuple[str, str, int, bool]]:
+    """(quant type, output dtype name, block size, nested) for every format the kernel takes."""
+    return list(itertools.product(QUANT_TYPES, OUT_DTYPES, blocksizes, (False, True)))
+
+
+def format_id(case: tuple[str, str, int, bool]) -> str:
+    quant_type, out_dtype, blocksize, nested = case
+    return f"{quant_type}-{out_dtype}-bs{blocksize}-{'nested' if nested else 'plain'}"
 
 
 def seeded_generator(seed: int, device) -> torch.Generator:

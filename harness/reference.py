@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from harness.bitcompare import floats_from_bits
+
 # IEEE-754 bits of bitsandbytes' CUDA code tables. FP4 entry 8 is -0.0 on CUDA (0 * sign with
 # sign = -1); bitsandbytes' Python table (get_4bit_type) and its CPU backend hold +0.0 there.
 NF4_BITS = (
@@ -41,8 +43,7 @@ def mul(a: torch.Tensor, b: torch.Tensor, ftz: bool) -> torch.Tensor:
 
 
 def code_table(quant_type: str, device="cpu") -> torch.Tensor:
-    bits = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in CODE_BITS[quant_type]], dtype=torch.int32)
-    return bits.view(torch.float32).to(device)
+    return floats_from_bits(CODE_BITS[quant_type], device)
 
 
 def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -7,20 +7,18 @@ form puts them in the 256-entry code table, the second-level absmax and the offs
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 import harness
 from harness import cases
 from harness.bitcompare import assert_bit_exact, poison_
-from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+from harness.variants import OUT_DTYPES
 
 pytestmark = pytest.mark.gpu
 
-MATRIX = list(itertools.product(QUANT_TYPES, OUT_DTYPES, BLOCKSIZES, (False, True)))
-IDS = [f"{q}-{d}-bs{b}-{'nested' if n else 'plain'}" for q, d, b, n in MATRIX]
+MATRIX = cases.format_matrix()
+IDS = [cases.format_id(c) for c in MATRIX]
 
 
 def _run(F, case):

@@ -9,7 +9,6 @@ the CUDA form of both against bitsandbytes' CUDA kernels.
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
@@ -18,11 +17,11 @@ import torch
 from harness import cases, reference
 from harness.bitcompare import assert_bit_exact, compare_bits
 from harness.jit import kernels_dir
-from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+from harness.variants import QUANT_TYPES
 
 SHAPES = [(1,), (7,), (4097,), (123, 458), (64, 256), (3, 5, 6)]
-MATRIX = list(itertools.product(QUANT_TYPES, OUT_DTYPES, BLOCKSIZES, (False, True)))
-IDS = [f"{q}-{d}-bs{b}-{'nested' if n else 'plain'}" for q, d, b, n in MATRIX]
+MATRIX = cases.format_matrix()
+IDS = [cases.format_id(c) for c in MATRIX]
 
 
 def bnb_cpu_result(bnb, packed, qs):

@@ -3,18 +3,15 @@ bit-exact against bitsandbytes on quantized weights and on raw bytes with hostil
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from harness import cases
 from harness.bitcompare import assert_bit_exact
-from harness.variants import OUT_DTYPES, QUANT_TYPES
 
 pytestmark = pytest.mark.gpu
 
-MATRIX = list(itertools.product(QUANT_TYPES, OUT_DTYPES, (32, 64, 4096), (False, True)))
-IDS = [f"{q}-{d}-bs{b}-{'nested' if n else 'plain'}" for q, d, b, n in MATRIX]
+MATRIX = cases.format_matrix((32, 64, 4096))
+IDS = [cases.format_id(c) for c in MATRIX]
 
 
 @pytest.fixture(scope="module")

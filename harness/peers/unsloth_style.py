@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-_SUFFIX = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+from harness.api import DTYPES
+
+_SUFFIX = {dtype: name for name, dtype in DTYPES.items() if name != "fp32"}
 
 
 def dequantizer(A: torch.Tensor, quant_state) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from harness import patch
+from harness.bitcompare import int_view
 from harness.perf import gpu_info, gpu_timer
 
 LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
@@ -63,7 +64,7 @@ def interleaved(measure: Callable[[bool], float], rounds: int) -> dict:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+    return int_view(t.detach().contiguous()).clone()
 
 
 def _same_bits(run: Callable[[], torch.Tensor]) -> bool:

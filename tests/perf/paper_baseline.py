@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from harness import cases, shapes
+from harness import api, cases, shapes
 from harness.perf import gpu_info, gpu_timer
 
 SOURCES = ("kernels.cu", "ops.cu", "common.cpp")
@@ -52,7 +52,7 @@ struct Sum {
 }
 """
 MODELS = ("gemma-3-27b", "qwen3-32b", "llama-3.3-70b")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {name: api.DTYPES[name] for name in ("fp16", "bf16")}
 
 
 def build(src: Path, arch: str, work: Path) -> Path:
@@ -96,8 +96,6 @@ def load(lib: Path) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     import bitsandbytes.functional as F
     from tabulate import tabulate
-
-    from harness import api
 
     parser = argparse.ArgumentParser(prog="python -m tests.perf.paper_baseline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bnb-src", type=Path, required=True, help="bitsandbytes checkout at tag 0.47.0")
