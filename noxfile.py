@@ -155,16 +155,14 @@ def correctness(session: nox.Session) -> None:
 
 
 def _take_marker(args: list[str]) -> str | None:
-    """Remove a user's ``-m EXPR`` (or ``-mEXPR``, ``-m=EXPR``) from ``args``; pytest would let it
+    """Remove a user's ``-m EXPR`` (or ``-m=EXPR``, ``-mEXPR``) from ``args``; pytest would let it
     replace the session's own selection instead of narrowing it."""
+    if (value := _take_option(args, "-m")) is not None:
+        return value
     for i, arg in enumerate(args):
-        if arg == "-m" and i + 1 < len(args):
-            value = args[i + 1]
-            del args[i : i + 2]
-            return value
-        if arg.startswith("-m") and len(arg) > 2 and not arg.startswith("--"):
+        if arg.startswith("-m") and not arg.startswith("--"):
             del args[i]
-            return arg[2:].removeprefix("=")
+            return arg[2:]
     return None
 
 

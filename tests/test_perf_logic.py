@@ -402,3 +402,13 @@ def test_machine_info_without_nvml_says_so(monkeypatch):
         gpu_info.gpu_identity.cache_clear()
     assert info["gpu"]["nvml"].startswith("unavailable")
     assert "torch" in info["software"]
+
+
+def test_host_time_per_call_warms_up_then_times_each_function_between_syncs():
+    from harness.perf import gpu_timer
+
+    events = []
+    fns = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    times = gpu_timer.host_us_per_call(fns, lambda: events.append("sync"), calls=5, warmup=2)
+    assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
+    assert events == ["a"] * 2 + ["sync"] + ["a"] * 5 + ["sync"] + ["b"] * 2 + ["sync"] + ["b"] * 5 + ["sync"]

@@ -10,8 +10,8 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   QLoRA needs), patched vs unpatched, ABBA rounds of cold-L2 batches; outputs compared bit for bit.
 - dequantize: the 28672x8192 gate weight alone: bitsandbytes' ``F.dequantize_4bit``, Unsloth's
   call path (``harness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
-- host: host time per call, queue never full, against the bare cuda-python launch of the same
-  kernel with the same arguments (the floor every launch from Python pays on this host).
+- host: host time per call, queue never full, against one bare cuda-python launch (the floor
+  every launch from Python pays on this host; the perf session reports the same).
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
   synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
   the Amdahl prediction that share and the measured kernel speedup allow.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,51 +139,26 @@ def dequantize_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[
     ]
 
 
-def host_rows(device: torch.device) -> list[dict]:
-    """Host microseconds per call; the floor is our kernel launched bare with this call's arguments."""
+def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
+    """Host microseconds per call, against one bare cuda-python launch (the perf session's floor)."""
     import bitsandbytes.functional as F
 
-    from harness import api, cases, launcher
-    from harness.variants import KERNEL_PARAMS
+    from harness import api, cases
 
     A, qs = cases.quantize_weights((1024, 4096), "nf4", 64, True, torch.bfloat16, seed=2, device=device)
     out = torch.empty(qs.shape, dtype=qs.dtype, device=device)
-    launches = []
-    real_launch = launcher.launch
-    launcher.launch = lambda *a: launches.append(a) or real_launch(*a)
-    try:
-        api.dequantize_4bit(A, qs, out=out)
-    finally:
-        launcher.launch = real_launch
-    (loaded, grid, block, stream, kinds, params) = launches[0]
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     calls = {
-        "floor: bare cuda-python launch": lambda: launcher.launch(loaded, grid, block, stream, kinds, params),
+        "floor: bare cuda-python launch": timer.bare_launch(),
         "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
         "ours, out=": lambda: api.dequantize_4bit(A, qs, out=out),
         "ours": lambda: api.dequantize_4bit(A, qs),
         "bitsandbytes F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs),
     }
-    assert kinds == KERNEL_PARAMS
-    times = {}
-    for name, fn in calls.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        times[name] = (time.perf_counter() - t0) / HOST_CALLS * 1e6
-        torch.cuda.synchronize(device)
+    times = gpu_timer.host_us_per_call(calls, sync, HOST_CALLS, warmup=50)
     with patch.bitsandbytes_patched():
-        fn = lambda: F.dequantize_4bit(A, qs)  # noqa: E731
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        times["ours via patched F.dequantize_4bit"] = (time.perf_counter() - t0) / HOST_CALLS * 1e6
-        torch.cuda.synchronize(device)
+        patched = {"ours via patched F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs)}
+        times |= gpu_timer.host_us_per_call(patched, sync, HOST_CALLS, warmup=50)
     floor = times["floor: bare cuda-python launch"]
     return [{"call": k, "host_us": v, "x floor": v / floor} for k, v in times.items()]
 
@@ -275,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 2 if args.quick else ROUNDS
     tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}
     tables["dequantize"] = dequantize_rows(timer, device)
-    tables["host"] = host_rows(device)
+    tables["host"] = host_rows(timer, device)
     tables["layers"] = layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds)
     if not (args.quick or args.no_qlora):
         tables["qlora"] = qlora_rows(QLORA_ROUNDS)

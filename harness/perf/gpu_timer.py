@@ -176,6 +176,14 @@ class ColdL2Timer:
         current, _ = self.clock()
         return elapsed_s, current
 
+    def bare_launch(self) -> Callable[[], None]:
+        """One launch of the blocking kernel with its flag already set (it exits at once): the
+        host floor every cuda-python launch pays, for host-time comparisons."""
+        self.flag.fill_(1)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        params = (self.flag.data_ptr(), self.timed_out.data_ptr(), 0)
+        return lambda: launcher.launch(self.blocker, 1, 32, stream, BLOCKER_PARAMS, params)
+
     def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
         """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):
         one batch of an A/B round, where the round count, not the batch, adapts to the noise."""
@@ -212,6 +220,25 @@ class ColdL2Timer:
         if not kept:
             raise RuntimeError(f"every one of {taken} samples was discarded as throttled")
         return Measurement(kept, discarded, clocks)
+
+
+def host_us_per_call(
+    fns: dict[str, Callable[[], object]], sync: Callable[[], object], calls: int = 500, warmup: int = 20
+) -> dict[str, float]:
+    """Host microseconds per call of each function: ``calls`` back to back after ``warmup``, with
+    ``sync`` (the device's synchronize) before and after each set, so the host's work is timed,
+    not a full launch queue."""
+    result = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        result[name] = (time.perf_counter() - t0) / calls * 1e6
+        sync()
+    return result
 
 
 def per_call_seconds(fn: Callable[[], object], device: torch.device, calls: int = 200) -> float:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -116,35 +115,16 @@ class Worker:
         torch = self.torch
         A, qs = self.case["A"], self.case["qs"]
         out_buf = torch.empty(qs.shape, dtype=qs.dtype, device=self.device)
-        self.timer.flag.fill_(1)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        bare = self.timer.blocker
-        flag, timed_out = self.timer.flag.data_ptr(), self.timer.timed_out.data_ptr()
         dequantize = self.sides[side].dequantize_4bit
         fns = {
             "ours": lambda: dequantize(A, qs),
             "ours out=": lambda: dequantize(A, qs, out=out_buf),
             "bnb full": lambda: F.dequantize_4bit(A, qs),
             "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
-            "floor: bare launch": lambda: self.launcher.launch(
-                bare, 1, 32, stream, self.gpu_timer.BLOCKER_PARAMS, (flag, timed_out, 0)
-            ),
+            "floor: bare launch": self.timer.bare_launch(),
         }
         with self.sides[side].active():
-            return self._host_times(fns, calls)
-
-    def _host_times(self, fns: dict, calls: int) -> dict:
-        torch, result = self.torch, {}
-        for name, fn in fns.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            result[name] = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize(self.device)
-        return result
+            return self.gpu_timer.host_us_per_call(fns, lambda: torch.cuda.synchronize(self.device), calls)
 
     def op_release(self) -> dict:
         self.case = None
