@@ -124,7 +124,7 @@ def compile(session: nox.Session) -> None:
     # Registers depend on the compiler: check with the NVRTC the record was made with.
     extra = (f"nvidia-cuda-nvrtc=={pinned}",) if pinned and "--update" not in session.posargs else ()
     _install(session, "compile", extra=extra)
-    session.run(_python(session), "-m", "harness.resource_record", *session.posargs)
+    session.run(_python(session), "-m", "harness.compile_check.resource_record", *session.posargs)
 
 
 @nox.session(venv_params=["--system-site-packages"])
@@ -259,4 +259,4 @@ def sanitize(session: nox.Session) -> None:
         session.error("nox -s sanitize needs an NVIDIA GPU: none is visible on this machine")
     _install(session, "test", torch=True)
     out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get() / "sanitize"
-    session.run(_python(session), "-m", "harness.sanitize", f"--out={out}", *session.posargs)
+    session.run(_python(session), "-m", "harness.correctness.sanitize", f"--out={out}", *session.posargs)

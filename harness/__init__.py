@@ -1,6 +1,6 @@
 """nf4-harness: a fast NF4/FP4 dequantization kernel and the harness that proves and times it.
 
-Attributes load lazily so the compile layer (``harness.jit``) works without PyTorch installed.
+Attributes load lazily so the compile layer (``harness.runtime.jit``) works without PyTorch installed.
 """
 
 from harness.errors import DequantizeInputError, KernelCompileError, KernelLaunchError, ToolchainMissingError
@@ -21,11 +21,11 @@ _PATCH_NAMES = ("bitsandbytes_patched", "patch_bitsandbytes", "unpatch_bitsandby
 
 def __getattr__(name):
     if name == "dequantize_4bit":
-        from harness.api import dequantize_4bit
+        from harness.runtime.api import dequantize_4bit
 
         return dequantize_4bit
     if name in _PATCH_NAMES:
-        from harness import patch
+        from harness.runtime import patch
 
         return getattr(patch, name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import harness
-from harness import cases
-from harness.bitcompare import assert_bit_exact, poison_
-from harness.variants import OUT_DTYPES
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.runtime.dequantize_kernel import OUT_DTYPES
 
 pytestmark = pytest.mark.gpu
 

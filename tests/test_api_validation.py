@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import harness
-from harness import cases, launcher
-from harness.bitcompare import assert_bit_exact, poison_
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import DequantizeInputError, KernelLaunchError
+from harness.runtime import launcher
 
 # --- no GPU needed -----------------------------------------------------------------------------
 
@@ -202,14 +203,14 @@ def test_tensors_on_different_gpus_are_rejected(cuda, bnb, good, monkeypatch):
 
 @pytest.mark.gpu
 def test_failed_launch_names_the_cuda_error_and_context_survives(cuda, bnb, good):
-    from harness.variants import KERNEL_PARAMS, KernelVariant
+    from harness.runtime.dequantize_kernel import KernelArgs, plan
 
-    loaded = launcher.load(KernelVariant("nf4", "fp16", False), cuda.index)
-    args = (0, 0, 0, 0, 0, 0.0, 0, 0, 6, 0, 1)
+    loaded = plan("nf4", "fp16", False, 1, cuda.index).kernel
+    nothing = KernelArgs(*(0,) * 5, 0.0, *(0,) * 5)  # n = 0: the kernel would write nothing
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(KernelLaunchError) as info:
         # 4096 threads per block exceeds every GPU's limit: the driver refuses the launch.
-        launcher.launch(loaded, 1, 4096, stream, KERNEL_PARAMS, args)
+        launcher.launch(loaded, 1, 4096, stream, nothing)
     assert info.value.cuda_error.startswith("CUDA_ERROR_")
     assert info.value.cuda_error in str(info.value)
     torch.cuda.synchronize()

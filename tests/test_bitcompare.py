@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.bitcompare import POISON_BITS, assert_bit_exact, compare_bits, poison_
-from harness.cases import floats_from_bits
+from harness.correctness.bitcompare import POISON_BITS, assert_bit_exact, compare_bits, poison_
+from harness.correctness.cases import floats_from_bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

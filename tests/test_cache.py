@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 
-from harness import jit, launcher, settings
-from harness.variants import KernelVariant
+from harness import settings
+from harness.runtime import dequantize_kernel, jit
+from harness.runtime.dequantize_kernel import KernelVariant
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def src(tmp_path):
 
 
 def _spec(src, **changes):
-    base = launcher.spec_for(KernelVariant("nf4", "fp16", True), "sm_90")
+    base = dequantize_kernel.spec_for(KernelVariant("nf4", "fp16", True), "sm_90")
     return dataclasses.replace(base, source=src / "dequantize_4bit.cu", **changes)
 
 
@@ -59,7 +60,7 @@ def test_every_input_changes_the_key(src, monkeypatch):
 
 def test_every_codegen_argument_changes_the_artifact_name():
     names = {
-        launcher.spec_for(v, "sm_90").artifact_stem()
+        dequantize_kernel.spec_for(v, "sm_90").artifact_stem()
         for v in [
             KernelVariant(q, d, n, t, u)
             for q in ("nf4", "fp4")

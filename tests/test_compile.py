@@ -13,18 +13,19 @@ import sys
 
 import pytest
 
-from harness import jit, settings
+from harness import settings
 from harness.errors import KernelCompileError, ToolchainMissingError
-from harness.variants import ENTRY, all_variants
+from harness.runtime import jit
+from harness.runtime.dequantize_kernel import ENTRY, all_variants
 
 _COMPILE_ALL = """
 import json
-from harness import jit, launcher
-from harness.variants import all_variants
+from harness.runtime import dequantize_kernel, jit
+from harness.runtime.dequantize_kernel import all_variants
 out = {}
 for arch in jit.CHECKED_ARCHS:
     for v in all_variants():
-        c = jit.compile_kernel(launcher.spec_for(v, arch), use_cache=False)
+        c = jit.compile_kernel(dequantize_kernel.spec_for(v, arch), use_cache=False)
         out[v.name + "@" + arch] = {
             "elf": c.cubin[:4] == b"\\x7fELF",
             "resources": [r.as_dict() for r in c.resources],

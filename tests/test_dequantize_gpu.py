@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import harness
-from harness import cases, shapes
-from harness.bitcompare import assert_bit_exact, poison_
-from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+from harness.correctness import cases, shapes
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.runtime.dequantize_kernel import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +128,7 @@ def test_absmax_and_out_without_quant_state(cuda, bnb, run_seed):
 
 
 def test_zero_elements_launch_nothing(cuda, monkeypatch):
-    from harness import launcher
+    from harness.runtime import launcher
 
     def no_launch(*args, **kwargs):
         raise AssertionError("an empty tensor must not launch a kernel")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import harness
-from harness import patch, qlora
-from harness.bitcompare import assert_bit_exact
+from harness.correctness import qlora
+from harness.correctness.bitcompare import assert_bit_exact
+from harness.runtime import patch
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import harness
-from harness import cases
-from harness.bitcompare import assert_bit_exact, poison_
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.huge]
 

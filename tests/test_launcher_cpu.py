@@ -9,17 +9,18 @@ import struct
 import numpy as np
 import pytest
 
-from harness import jit
-from harness.launcher import ArgPacker
-from harness.variants import (
+from harness.runtime import jit
+from harness.runtime.dequantize_kernel import (
     KERNEL_PARAMS,
     LARGE_MIN_ELEMENTS,
     LARGE_TILING,
     SMALL_TILING,
     SOURCE,
+    KernelArgs,
     all_variants,
     tiling_for,
 )
+from harness.runtime.launcher import ArgPacker
 
 
 def _slot(packer: ArgPacker, i: int) -> bytes:
@@ -74,6 +75,8 @@ def test_kernel_params_match_the_kernel_signature():
     match = re.search(r"dequantize_4bit_kernel\(([^)]*)\)", source)
     assert match, "entry point not found"
     assert _kinds_of(match.group(1)) == KERNEL_PARAMS
+    names = [re.findall(r"\w+", p)[-1] for p in match.group(1).split(",")]
+    assert len(KernelArgs._fields) == len(names), (KernelArgs._fields, names)
 
 
 def test_blocker_params_match_the_blocker_signature():

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import harness
-from harness import api, cases, patch
-from harness.bitcompare import assert_bit_exact
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact
 from harness.errors import DequantizeInputError
+from harness.runtime import api, patch
 
 
 @pytest.fixture
@@ -302,7 +303,7 @@ def test_routed_calls_counts_per_seam_and_in_total(monkeypatch):
 def test_our_registered_op_has_a_fake_implementation_for_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness import torch_op
+    from harness.runtime import torch_op
 
     with FakeTensorMode():
         A = torch.empty(48, 1, dtype=torch.uint8)
@@ -417,7 +418,7 @@ def test_a_second_copy_of_the_op_module_keeps_the_first_registration():
     """The perf gate's A/B process loads two copies of harness; the second must not re-register."""
     import importlib
 
-    from harness import torch_op
+    from harness.runtime import torch_op
 
     first = torch.ops.nf4_harness.dequantize_4bit.default
     importlib.reload(torch_op)

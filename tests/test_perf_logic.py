@@ -313,8 +313,8 @@ def test_measuring_process_protocol_replies_per_line_and_reports_errors():
 
 
 def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
-    from harness import jit
-    from harness.variants import KernelVariant
+    from harness.runtime import jit
+    from harness.runtime.dequantize_kernel import KernelVariant
     from tests.perf import planted
 
     source = (tmp_path / "k.cu", tmp_path / "k32.cu")

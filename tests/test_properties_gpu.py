@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harness
-from harness import cases
-from harness.bitcompare import assert_bit_exact, poison_
-from harness.variants import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.runtime.dequantize_kernel import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The PyTorch statement of the format (harness.reference) against bitsandbytes' CPU backend.
+"""The PyTorch statement of the format (harness.correctness.reference) against bitsandbytes' CPU backend.
 
 Runs without a GPU. Two documented differences between bitsandbytes' CUDA and CPU arithmetic,
 both modelled by the reference: FP4 code 0b1000 is -0.0 on CUDA (0 * sign with sign = -1) but
@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
-from harness import cases, reference
-from harness.bitcompare import assert_bit_exact, compare_bits
-from harness.jit import kernels_dir
-from harness.variants import QUANT_TYPES
+from harness.correctness import cases, reference
+from harness.correctness.bitcompare import assert_bit_exact, compare_bits
+from harness.runtime.dequantize_kernel import QUANT_TYPES
+from harness.runtime.jit import kernels_dir
 
 SHAPES = [(1,), (7,), (4097,), (123, 458), (64, 256), (3, 5, 6)]
 MATRIX = cases.format_matrix()

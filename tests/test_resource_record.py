@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import resource_record
-from harness.resource_record import DEFAULT_RECORD, compare
+from harness.compile_check import resource_record
+from harness.compile_check.resource_record import DEFAULT_RECORD, compare
 
 BASE = {
     "nvrtc": "13.5",
@@ -60,8 +60,8 @@ def test_compiler_change_and_shared_memory_change_are_noted():
 
 
 def test_committed_record_covers_every_variant_and_arch():
-    from harness.jit import CHECKED_ARCHS
-    from harness.variants import all_variants
+    from harness.runtime.dequantize_kernel import all_variants
+    from harness.runtime.jit import CHECKED_ARCHS
 
     recorded = json.loads(DEFAULT_RECORD.read_text())["kernels"]
     assert set(recorded) == {f"{v.name}@{a}" for v in all_variants() for a in CHECKED_ARCHS}
@@ -75,7 +75,7 @@ def test_cli_fails_against_a_tighter_record(tmp_path):
     path = tmp_path / "record.json"
     path.write_text(json.dumps(tight))
     done = subprocess.run(
-        [sys.executable, "-m", "harness.resource_record", "--record", str(path)],
+        [sys.executable, "-m", "harness.compile_check.resource_record", "--record", str(path)],
         capture_output=True, text=True, check=False, cwd=Path(resource_record.__file__).parent.parent,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr

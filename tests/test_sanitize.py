@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from harness import sanitize
+from harness.correctness import sanitize
 
 REPORT = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "not found" on CUDA API call to cuGetProcAddress.

@@ -1,12 +1,12 @@
-"""The Triton peer (harness/peers/triton_dequantize.py) is held to the same bar as our kernel:
+"""The Triton peer (harness/correctness/peers/triton_dequantize.py) is held to the same bar as our kernel:
 bit-exact against bitsandbytes on quantized weights and on raw bytes with hostile scales."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import cases
-from harness.bitcompare import assert_bit_exact
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +17,7 @@ IDS = [cases.format_id(c) for c in MATRIX]
 @pytest.fixture(scope="module")
 def triton_peer():
     pytest.importorskip("triton", reason="the Triton peer needs triton (ships with CUDA builds of PyTorch)")
-    from harness.peers import triton_dequantize
+    from harness.correctness.peers import triton_dequantize
 
     return triton_dequantize
 

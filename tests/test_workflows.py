@@ -161,6 +161,6 @@ def test_cpu_job_runs_ci_script():
 def test_codeowners_cover_what_judges_a_pull_request():
     owned = {line.split()[0] for line in (GITHUB / "CODEOWNERS").read_text().splitlines() if line.startswith("/")}
     assert {
-        "/kernels/", "/baselines/", "/harness/perf/", "/harness/data/", "/tests/perf/", "/noxfile.py",
+        "/kernels/", "/baselines/", "/harness/perf/", "/harness/correctness/data/", "/tests/perf/", "/noxfile.py",
         "/pyproject.toml", "/.github/", "/.ci/",
     } <= owned  # fmt: skip

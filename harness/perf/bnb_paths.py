@@ -9,7 +9,7 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   nested, bf16, M tokens; forward (inference) and forward+backward (the input's gradient, as
   QLoRA needs), patched vs unpatched, ABBA rounds of cold-L2 batches; outputs compared bit for bit.
 - dequantize: the 28672x8192 gate weight alone: bitsandbytes' ``F.dequantize_4bit``, Unsloth's
-  call path (``harness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
+  call path (``harness.correctness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
 - host: host time per call, queue never full, against one bare cuda-python launch (the floor
   every launch from Python pays on this host; the perf session reports the same).
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from harness import patch
-from harness.bitcompare import int_view
+from harness.correctness.bitcompare import int_view
 from harness.perf import gpu_info, gpu_timer
+from harness.runtime import patch
 
 LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
 TOKENS = (16, 64, 256, 1024, 4096)
@@ -76,7 +76,7 @@ def _same_bits(run: Callable[[], torch.Tensor]) -> bool:
 def layer_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens, rounds: int) -> list[dict]:
     import bitsandbytes as bnb
 
-    from harness import cases
+    from harness.correctness import cases
 
     rows = []
     for layer, shape in LAYER_SHAPES.items():
@@ -111,8 +111,8 @@ def layer_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens, round
 def dequantize_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     import bitsandbytes.functional as F
 
-    from harness import cases
-    from harness.peers import unsloth_style
+    from harness.correctness import cases
+    from harness.correctness.peers import unsloth_style
 
     A, qs = cases.quantize_weights(LAYER_SHAPES["gate"], "nf4", 64, True, torch.bfloat16, seed=1, device=device)
     expected = _bits(F.dequantize_4bit(A, qs))
@@ -143,7 +143,8 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     """Host microseconds per call, against one bare cuda-python launch (the perf session's floor)."""
     import bitsandbytes.functional as F
 
-    from harness import api, cases
+    from harness.correctness import cases
+    from harness.runtime import api
 
     A, qs = cases.quantize_weights((1024, 4096), "nf4", 64, True, torch.bfloat16, seed=2, device=device)
     out = torch.empty(qs.shape, dtype=qs.dtype, device=device)
@@ -180,7 +181,7 @@ def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
 
 
 def qlora_rows(rounds: int, tokens=QLORA_TOKENS) -> list[dict]:
-    from harness import qlora
+    from harness.correctness import qlora
 
     tmp = qlora.temporary_checkpoint()
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import shapes
+from harness.correctness import shapes
 from harness.perf import policy
 
 

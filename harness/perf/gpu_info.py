@@ -23,7 +23,7 @@ def software_versions() -> dict:
         for name in ("torch", "bitsandbytes", "cuda-core", "cuda-bindings", "nvidia-ml-py")
     }
     try:
-        from harness.jit import nvrtc_version
+        from harness.runtime.jit import nvrtc_version
 
         info["nvrtc"] = nvrtc_version()
     except Exception as exc:  # a CPU box without NVRTC still gets its machine info

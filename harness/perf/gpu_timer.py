@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness import launcher
+from harness.runtime import launcher
 
 BLOCK_TIMEOUT_NS = 2_000_000_000  # a spin that is never released gives up after 2 s
 BLOCKER_PARAMS = ("ptr", "ptr", "u64")  # kernels/block_stream.cu: flag, timed_out, timeout_ns
@@ -126,7 +126,7 @@ class ColdL2Timer:
         self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)
         self.start = torch.cuda.Event(enable_timing=True)
         self.stop_event = torch.cuda.Event(enable_timing=True)
-        self.blocker = launcher.load_source("block-stream", "block_stream.cu", "block_stream", device.index)
+        self.blocker = launcher.load("block-stream", "block_stream.cu", "block_stream", device.index, BLOCKER_PARAMS)
         self.state = State.READ
 
     def _block(self, stream: torch.cuda.Stream) -> None:
@@ -136,7 +136,6 @@ class ColdL2Timer:
             1,
             32,
             stream.cuda_stream,
-            BLOCKER_PARAMS,
             (self.flag.data_ptr(), self.timed_out.data_ptr(), BLOCK_TIMEOUT_NS),
         )
 
@@ -182,7 +181,7 @@ class ColdL2Timer:
         self.flag.fill_(1)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         params = (self.flag.data_ptr(), self.timed_out.data_ptr(), 0)
-        return lambda: launcher.launch(self.blocker, 1, 32, stream, BLOCKER_PARAMS, params)
+        return lambda: launcher.launch(self.blocker, 1, 32, stream, params)
 
     def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
         """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):

@@ -28,8 +28,9 @@ class Worker:
         import torch
 
         # The judge's code, loaded before any side's.
-        from harness import cases, launcher, qlora
+        from harness.correctness import cases, qlora
         from harness.perf import gpu_info, gpu_timer, sides
+        from harness.runtime import launcher
 
         self.torch, self.cases, self.qlora, self.launcher = torch, cases, qlora, launcher
         self.device = torch.device("cuda", torch.cuda.current_device())

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from harness import api, cases, shapes
+from harness.correctness import cases, shapes
 from harness.perf import gpu_info, gpu_timer
+from harness.runtime import api
 
 SOURCES = ("kernels.cu", "ops.cu", "common.cpp")
 # Our C entry points into 0.47.0's host launcher (its own C API file no longer compiles against

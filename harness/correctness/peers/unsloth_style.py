@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from harness.api import DTYPES
+from harness.runtime.api import DTYPES
 
 _SUFFIX = {dtype: name for name, dtype in DTYPES.items() if name != "fp32"}
 

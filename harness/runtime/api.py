@@ -9,26 +9,17 @@ bitsandbytes would silently read out of bounds or reinterpret memory for the inp
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
 
-from harness import launcher
 from harness.errors import DequantizeInputError
-from harness.variants import BLOCKSIZES, KERNEL_PARAMS, KernelVariant, tiling_for
+from harness.runtime import dequantize_kernel
+from harness.runtime.dequantize_kernel import BLOCKSIZES
 
 # Output dtypes by the name the kernel variants use: the one map between the two spellings.
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _OUT_NAME = {dtype: name for name, dtype in DTYPES.items()}
-# PyTorch's raw current-stream handle without building a Stream object (what Triton's launcher
-# uses); the public call is the fallback.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-# The current device without torch.cuda.current_device()'s lazy-init check (CUDA is initialised
-# by the time a CUDA tensor exists); the public call is the fallback.
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-# The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
-_MAX_GRID = (1 << 31) - 1
 
 
 def _fail(msg: str):
@@ -197,57 +188,8 @@ def dequantize_packed(
 
     if n:
         if nested:
-            args = (A.data_ptr(), absmax.data_ptr(), code2.data_ptr(), absmax2.data_ptr(), offset_ptr, offset_value)
-            bs2_log2 = bs2.bit_length() - 1
+            scales = (A.data_ptr(), absmax.data_ptr(), code2.data_ptr(), absmax2.data_ptr(), offset_ptr, offset_value)
         else:
-            args = (A.data_ptr(), absmax.data_ptr(), 0, 0, 0, 0.0)
-            bs2_log2 = 0
-        _launch(
-            quant_type, out_name, nested, device_index, args, out.data_ptr(), n, blocksize.bit_length() - 1, bs2_log2
-        )
+            scales, bs2 = (A.data_ptr(), absmax.data_ptr(), 0, 0, 0, 0.0), 1
+        dequantize_kernel.launch(quant_type, out_name, nested, device_index, scales, out.data_ptr(), n, blocksize, bs2)
     return out
-
-
-_kernels: dict[tuple, tuple[launcher.LoadedKernel, int, int, int]] = {}
-_bound = threading.local()  # device indexes whose primary context this thread has made current
-
-
-def _kernel(quant_type: str, out_name: str, nested: bool, tiling: tuple[int, int], device_index: int):
-    """(loaded kernel, threads per block, elements per block tile, elements per 16-byte store)
-    for one launch configuration."""
-    key = (quant_type, out_name, nested, tiling, device_index)
-    if (hit := _kernels.get(key)) is None:
-        threads, unroll = tiling
-        variant = KernelVariant(quant_type, out_name, nested, threads, unroll)
-        loaded = launcher.load(variant, device_index)
-        chunk = variant.chunk_elems
-        hit = _kernels[key] = (loaded, threads, threads * unroll * chunk, chunk)
-    return hit
-
-
-def _launch(quant_type, out_name, nested, device_index, args, out_ptr, n, bs_log2, bs2_log2) -> None:
-    loaded, threads, tile_elems, chunk = _kernel(quant_type, out_name, nested, tiling_for(n), device_index)
-    # 16-byte stores need a 16-byte aligned output; the packed loads need chunk / 2 bytes.
-    vectorized = args[0] % (chunk // 2) == 0 and out_ptr % 16 == 0
-    # One tile per block (measured fastest, NOTES.md); a misaligned call runs the scalar path,
-    # one element per thread.
-    grid = -(-n // tile_elems) if vectorized else -(-n // threads)
-    grid = max(1, min(grid, _MAX_GRID))
-    params = (*args, out_ptr, n, bs_log2, bs2_log2, 1 if vectorized else 0)
-    if device_index != _current_device():
-        with torch.cuda.device(device_index):
-            launcher.launch(loaded, grid, threads, _current_stream_handle(device_index), KERNEL_PARAMS, params)
-        return
-    bound = getattr(_bound, "devices", None)
-    if bound is None or device_index not in bound:
-        # A thread that has not used CUDA yet may have no current context; PyTorch's device
-        # switch makes the primary context current (the same one the kernel was loaded into).
-        torch.cuda.set_device(device_index)
-        _bound.devices = (bound or frozenset()) | {device_index}
-    launcher.launch(loaded, grid, threads, _current_stream_handle(device_index), KERNEL_PARAMS, params)
-
-
-def _current_stream_handle(device_index: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream

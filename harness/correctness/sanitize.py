@@ -1,6 +1,6 @@
 """compute-sanitizer over the kernel: memcheck, racecheck, synccheck and initcheck (GPU).
 
-    python -m harness.sanitize [--tools memcheck,initcheck] [--inputs raw|bnb] [--out DIR]
+    python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw|bnb] [--out DIR]
 
 Each tool runs this module again under ``compute-sanitizer`` (``--cases``), which launches a
 reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested)
@@ -44,8 +44,9 @@ def run_cases(inputs: str) -> int:
     import bitsandbytes.functional as F
     import torch
 
-    from harness import api, cases
-    from harness.bitcompare import poison_
+    from harness.correctness import cases
+    from harness.correctness.bitcompare import poison_
+    from harness.runtime import api
 
     device = torch.device("cuda", torch.cuda.current_device())
     mismatches = 0
@@ -100,7 +101,7 @@ def sanitize(tool: str, inputs: str, log: Path) -> dict:
         "--print-limit=200",
         sys.executable,
         "-m",
-        "harness.sanitize",
+        "harness.correctness.sanitize",
         "--cases",
         f"--inputs={inputs}",
     ]
@@ -117,7 +118,9 @@ def sanitize(tool: str, inputs: str, log: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.sanitize", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.correctness.sanitize", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--inputs", choices=("raw", "bnb"), default="raw")
     parser.add_argument("--out", type=Path, default=Path("sanitize-out"))

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from harness.bitcompare import floats_from_bits
+from harness.correctness.bitcompare import floats_from_bits
 
 # IEEE-754 bits of bitsandbytes' CUDA code tables. FP4 entry 8 is -0.0 on CUDA (0 * sign with
 # sign = -1); bitsandbytes' Python table (get_4bit_type) and its CPU backend hold +0.0 there.

@@ -11,7 +11,6 @@ cubin digest disagrees is rebuilt, never fatal.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -22,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import settings
+from harness.compile_check.ptxas_report import KernelResources, parse_ptxas_log
 from harness.errors import KernelCompileError, ToolchainMissingError
-from harness.ptxas_report import KernelResources, parse_ptxas_log
 
 # Bump when the cache layout or anything else outside the key's inputs changes what is stored.
 CACHE_SCHEMA = 1
@@ -33,7 +32,10 @@ CHECKED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 # NVRTC options every kernel is built with, as NVRTC spells them (they go into the cache key
 # verbatim). --fmad=false: no fp32 multiply-add contraction anywhere, since bit-exactness against
 # bitsandbytes depends on separately rounded products and sums. -v makes ptxas print its
-# resource report (registers, spills, stack, shared memory) into the program log.
+# resource report (registers, spills, stack, shared memory) into the program log. --no-cache:
+# NVRTC 12.9+ keeps its own on-disk cache and, on a hit, returns an empty log (no ptxas report,
+# seen with NVRTC 13.0); ours already avoids recompiles, and an option (unlike CUDA_CACHE_DISABLE,
+# which NVRTC reads once per process) changes nothing outside this compile.
 DEFAULT_OPTIONS: tuple[str, ...] = (
     "--std=c++17",
     "--fmad=false",
@@ -41,6 +43,7 @@ DEFAULT_OPTIONS: tuple[str, ...] = (
     "--prec-div=true",
     "--prec-sqrt=true",
     "--ptxas-options=-v",
+    "--no-cache",
 )
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
@@ -50,10 +53,10 @@ def kernels_dir() -> Path:
     """Directory holding the CUDA sources: an override, the installed copy, or the repo's ``kernels/``."""
     if env := settings.KERNELS_DIR.get():
         return Path(env)
-    installed = Path(__file__).with_name("_kernels")
+    installed = Path(__file__).parents[1] / "_kernels"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parent.parent / "kernels"
+    return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def cache_dir() -> Path:
@@ -181,24 +184,7 @@ def _nvrtc_compile(spec: CompileSpec) -> tuple[bytes, str]:
         f"--include-path={source.parent}",
         *(f"-D{k}={v}" for k, v in spec.macros),
     ]
-    with _nvrtc_cache_disabled():
-        return _nvrtc_compile_program(nvrtc, spec, source, options)
-
-
-@contextlib.contextmanager
-def _nvrtc_cache_disabled():
-    """NVRTC (12.9+) keeps its own on-disk cache and, on a hit, returns an empty log: no ptxas
-    report (seen with NVRTC 13.0 on the GPU box). Our cache already avoids recompiles, so turn
-    NVRTC's off (CUDA_CACHE_DISABLE) for the duration of a compile."""
-    previous = os.environ.get("CUDA_CACHE_DISABLE")
-    os.environ["CUDA_CACHE_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("CUDA_CACHE_DISABLE", None)
-        else:
-            os.environ["CUDA_CACHE_DISABLE"] = previous
+    return _nvrtc_compile_program(nvrtc, spec, source, options)
 
 
 def _nvrtc_compile_program(nvrtc, spec: CompileSpec, source: Path, options: list[str]) -> tuple[bytes, str]:

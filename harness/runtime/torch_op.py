@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from harness import api, patch
-from harness.variants import BLOCKSIZES
-
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from harness.runtime import api, patch
+from harness.runtime.dequantize_kernel import BLOCKSIZES
 
 
 def dequantize_4bit(
@@ -95,7 +93,7 @@ def takes(A, quant_state) -> bool:
     else stays with bitsandbytes' own traced ops."""
     if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dtype == torch.uint8 and A.dim() > 0):
         return False
-    if quant_state.dtype not in _OUT_DTYPES or quant_state.blocksize not in BLOCKSIZES:
+    if quant_state.dtype not in api.DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
         return False
     if quant_state.quant_type not in ("nf4", "fp4"):
         return False

@@ -18,7 +18,7 @@ looked up at call time, so rebinding them reroutes every caller (``SEAMS``):
   holds that op run ours too.
 
 Under ``torch.compile`` the ``functional`` seam calls our own registered op
-``nf4_harness::dequantize_4bit`` (``harness.torch_op``), so compiled graphs keep the fused
+``nf4_harness::dequantize_4bit`` (``harness.runtime.torch_op``), so compiled graphs keep the fused
 nested decode; the two ``backends.cuda.ops`` seams run inside bitsandbytes' ops, which compiled
 graphs call as opaque kernels.
 
@@ -114,7 +114,7 @@ def _count(label: str, ours: bool) -> None:
 def _functional_wrapper(original):
     import torch
 
-    from harness import api, torch_op
+    from harness.runtime import api, torch_op
 
     is_compiling = torch.compiler.is_compiling
 
@@ -142,7 +142,7 @@ def _functional_wrapper(original):
 def _gemm_fallback_wrapper(original):
     import torch
 
-    from harness import api
+    from harness.runtime import api
 
     linear = torch.nn.functional.linear
 
@@ -176,7 +176,7 @@ def _gemm_fallback_wrapper(original):
 
 
 def _op_impl_wrapper(original):
-    from harness import api
+    from harness.runtime import api
 
     @functools.wraps(original)
     def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):

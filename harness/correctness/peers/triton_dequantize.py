@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from harness import reference
+from harness.correctness import reference
 
 BYTES_PER_PROGRAM = 1024
 

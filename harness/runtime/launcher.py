@@ -1,4 +1,7 @@
-"""Load compiled variants onto a GPU (cuda.core) and launch them on a raw stream handle.
+"""Load any kernel of ``kernels/*.cu`` onto a GPU (cuda.core) and launch it on a raw stream handle.
+
+Generic: a kernel is named by its source, entry point, macros and parameter kinds; nothing here
+knows what a kernel computes (``dequantize_kernel`` owns that for the dequantization kernel).
 
 Launches go straight to ``cuLaunchKernel`` (cuda.bindings) with the arguments packed by a
 precompiled ``struct`` layout into one reusable buffer: measured on an H100 host, building numpy
@@ -14,9 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness import jit
 from harness.errors import KernelLaunchError
-from harness.variants import ENTRY, SOURCE, KernelVariant
+from harness.runtime import jit
 
 
 def device_arch(device_index: int) -> str:
@@ -30,10 +32,6 @@ def device_arch(device_index: int) -> str:
 def source_spec(source: str, arch: str, macros: tuple[tuple[str, str], ...], label: str) -> jit.CompileSpec:
     """The compile spec of ``kernels/<source>`` for one arch."""
     return jit.CompileSpec(source=jit.kernels_dir() / source, arch=arch, macros=macros, label=label)
-
-
-def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
-    return source_spec(SOURCE, arch, variant.macros(), variant.name)
 
 
 # struct codes of the kernel parameter kinds; each parameter gets its own 8-byte slot.
@@ -58,40 +56,32 @@ class ArgPacker:
 
 @dataclass(frozen=True)
 class LoadedKernel:
-    variant: KernelVariant | None
+    """One entry point loaded into one GPU's primary context, with its argument buffer."""
+
+    label: str
     device_index: int
     kernel: object  # cuda.core Kernel
-    # Per parameter-kinds packing buffer, and the lock that keeps it unchanged during a launch.
-    packers: dict = field(default_factory=dict, compare=False, repr=False)
+    packer: ArgPacker = field(compare=False, repr=False)
+    # Keeps the shared argument buffer unchanged while the driver (which releases the GIL) reads it.
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
 
 _lock = threading.Lock()
 _loaded: dict[tuple, LoadedKernel] = {}
-_by_variant: dict[tuple[KernelVariant, int], LoadedKernel] = {}
 
 
-def load(variant: KernelVariant, device_index: int) -> LoadedKernel:
-    """Compile (through the cache) and load ``variant`` for one GPU; memoised per process.
-
-    Called on every launch, so a hit is one dict lookup (no name or macro formatting).
-    """
-    if (hit := _by_variant.get((variant, device_index))) is None:
-        hit = load_source(variant.name, SOURCE, ENTRY, device_index, variant.macros(), variant)
-        _by_variant[(variant, device_index)] = hit
-    return hit
-
-
-def load_source(
+def load(
     label: str,
     source: str,
     entry: str,
     device_index: int,
+    kinds: tuple[str, ...],
     macros: tuple[tuple[str, str], ...] = (),
-    variant: KernelVariant | None = None,
 ) -> LoadedKernel:
-    """Compile and load entry point ``entry`` of ``kernels/<source>``; memoised per process."""
-    key = (label, source, entry, device_index, macros)
+    """Compile (through the cache) and load entry point ``entry`` of ``kernels/<source>``, whose
+    parameters have the types ``kinds`` ("ptr", "u64", "i64", "i32", "f32", in order), for one
+    GPU; memoised per process."""
+    key = (label, source, entry, device_index, macros, kinds)
     if (hit := _loaded.get(key)) is not None:
         return hit
     with _lock:
@@ -101,11 +91,9 @@ def load_source(
 
         device = Device(device_index)
         device.set_current()  # the primary context, which PyTorch uses too
-        arch = device_arch(device_index)
-        compiled = jit.compile_kernel(source_spec(source, arch, macros, label))
+        compiled = jit.compile_kernel(source_spec(source, device_arch(device_index), macros, label))
         kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
-        loaded = LoadedKernel(variant, device_index, kernel)
-        _loaded[key] = loaded
+        loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds))
         return loaded
 
 
@@ -120,20 +108,20 @@ def _stream(handle: int):
     return hit
 
 
-def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, kinds: tuple[str, ...], args) -> None:
-    """Enqueue one launch of ``loaded`` on a raw CUDA stream handle (e.g. PyTorch's current
-    stream). ``kinds`` names each parameter's type ("ptr", "u64", "i64", "i32", "f32"), in order.
-    A refused launch raises KernelLaunchError with the CUDA error name."""
+def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, args) -> None:
+    """Enqueue one launch of ``loaded`` with ``args`` (in the order of its parameter kinds) on a
+    raw CUDA stream handle (e.g. PyTorch's current stream). A refused launch raises
+    KernelLaunchError with the CUDA error name."""
     from cuda.bindings import driver
 
-    if (packer := loaded.packers.get(kinds)) is None:
-        packer = loaded.packers.setdefault(kinds, ArgPacker(kinds))
-    with loaded.lock:  # the driver releases the GIL; the shared buffer must not change under it
+    packer = loaded.packer
+    with loaded.lock:
         packer.pack(args)
         (err,) = driver.cuLaunchKernel(
             loaded.kernel.handle, grid, 1, 1, block, 1, 1, 0, _stream(stream_handle), packer.params, 0
         )
     if err != driver.CUresult.CUDA_SUCCESS:
-        name = loaded.variant.name if loaded.variant else "kernel"
         _, err_name = driver.cuGetErrorName(err)
-        raise KernelLaunchError(name, err_name.decode() if err_name else str(err), f"cuLaunchKernel returned {err}")
+        raise KernelLaunchError(
+            loaded.label, err_name.decode() if err_name else str(err), f"cuLaunchKernel returned {err}"
+        )

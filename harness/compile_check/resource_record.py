@@ -1,6 +1,6 @@
 """The committed ptxas resource record: registers, spills, stack and shared memory per kernel and arch.
 
-``python -m harness.resource_record`` compiles every entry point for every checked arch (no GPU
+``python -m harness.compile_check.resource_record`` compiles every entry point for every checked arch (no GPU
 needed) and fails when a kernel newly spills, grows its stack frame or uses more registers than
 recorded; ``--update`` rewrites the record.
 """
@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from harness import jit, launcher
 from harness.perf.gpu_info import installed_version
-from harness.variants import all_variants
+from harness.runtime import dequantize_kernel, jit
+from harness.runtime.dequantize_kernel import all_variants
 
-DEFAULT_RECORD = Path(__file__).resolve().parent.parent / "baselines" / "ptxas-resources.json"
+DEFAULT_RECORD = Path(__file__).resolve().parents[2] / "baselines" / "ptxas-resources.json"
 FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "shared_bytes")
 UPDATE_COMMAND = "nox -s compile -- --update"
 
@@ -25,7 +25,7 @@ def measure() -> dict:
     kernels = {}
     for arch in jit.CHECKED_ARCHS:
         for variant in all_variants():
-            compiled = jit.compile_kernel(launcher.spec_for(variant, arch), use_cache=False)
+            compiled = jit.compile_kernel(dequantize_kernel.spec_for(variant, arch), use_cache=False)
             if len(compiled.resources) != 1:
                 raise RuntimeError(f"no ptxas report for {variant.name} on {arch}:\n{compiled.log}")
             res = compiled.resources[0].as_dict()

@@ -1,4 +1,4 @@
-"""The shapes catalog (``harness/data/shapes.json``), shared by the correctness and perf suites."""
+"""The shapes catalog (``harness/correctness/data/shapes.json``), shared by the correctness and perf suites."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class WeightShape:
 
 @functools.cache
 def _catalog() -> dict:
-    return json.loads(resources.files("harness").joinpath("data/shapes.json").read_text())
+    return json.loads(resources.files("harness.correctness").joinpath("data/shapes.json").read_text())
 
 
 def model_shapes(unique: bool = True) -> list[WeightShape]:

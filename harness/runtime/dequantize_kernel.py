@@ -1,0 +1,201 @@
+"""The dequantization kernel, everything about it in one place: its variants (one compiled module
+per quant type, output dtype, scale kind and tiling), its parameter layout, the launch plan (tiling,
+alignment, grid) and the launch itself on PyTorch's current stream.
+
+Importable without PyTorch (the compile check lists the variants); PyTorch is bound at the first
+launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from harness.runtime import jit, launcher
+
+QUANT_TYPES = ("nf4", "fp4")
+OUT_DTYPES = ("fp16", "bf16", "fp32")
+# Block sizes bitsandbytes 0.50.2 accepts for 4-bit (de)quantization.
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+_OUT_CODE = {"fp16": 0, "bf16": 1, "fp32": 2}
+_QUANT_CODE = {"nf4": 0, "fp4": 1}
+
+SOURCE = "dequantize_4bit.cu"
+ENTRY = "dequantize_4bit_kernel"
+
+
+class KernelArgs(NamedTuple):
+    """The entry point's parameters, in order (a test checks them against the CUDA signature)."""
+
+    packed: int  # A: two 4-bit codes per byte
+    absmax: int  # fp32 block scales, or their 8-bit codes when nested
+    code2: int  # nested only: the 256-entry fp32 code book of the scales
+    absmax2: int  # nested only: one fp32 scale per blocksize2 scale codes
+    offset_ptr: int  # nested only: the offset on the device (0: use offset_value)
+    offset_value: float
+    out: int
+    n: int
+    bs_log2: int
+    bs2_log2: int
+    vectorized: int  # 1: 16-byte stores and chunked loads; 0: the scalar path
+
+
+# How launcher packs each KernelArgs field.
+KERNEL_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32")
+
+# Tilings (threads per block, chunks per thread), picked by tensor size. Both tiles are 1024
+# chunks; measured on an H100 (kernels/NOTES.md): 512 x 2 is fastest on large weights, 256 x 4
+# on small ones, where fewer, fuller warps per block win. The crossover sits between 8M and 22M
+# elements.
+LARGE_TILING = (512, 2)
+SMALL_TILING = (256, 4)
+LARGE_MIN_ELEMENTS = 16 << 20
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """Every template parameter of the kernel; its ``name`` encodes all of them."""
+
+    quant_type: str
+    out_dtype: str
+    nested: bool
+    threads: int = SMALL_TILING[0]
+    unroll: int = SMALL_TILING[1]
+
+    def __post_init__(self):
+        if self.quant_type not in _QUANT_CODE:
+            raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {self.quant_type!r}")
+        if self.out_dtype not in _OUT_CODE:
+            raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {self.threads}")
+        if not 1 <= self.unroll <= 16:
+            raise ValueError(f"unroll must be in [1, 16], got {self.unroll}")
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements one thread writes with one 16-byte store (the kernel's CHUNK)."""
+        return 4 if self.out_dtype == "fp32" else 8
+
+    @property
+    def name(self) -> str:
+        scales = "nested" if self.nested else "plain"
+        return f"dq4-{self.quant_type}-{self.out_dtype}-{scales}-t{self.threads}-u{self.unroll}"
+
+    def macros(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("DQ_OUT", str(_OUT_CODE[self.out_dtype])),
+            ("DQ_QUANT", str(_QUANT_CODE[self.quant_type])),
+            ("DQ_NESTED", "1" if self.nested else "0"),
+            ("DQ_THREADS", str(self.threads)),
+            ("DQ_UNROLL", str(self.unroll)),
+        )
+
+
+def tiling_for(numel: int) -> tuple[int, int]:
+    """(threads, unroll) the drop-in API launches for a tensor of ``numel`` elements."""
+    return LARGE_TILING if numel >= LARGE_MIN_ELEMENTS else SMALL_TILING
+
+
+def all_variants() -> list[KernelVariant]:
+    """Every entry point the drop-in API can launch."""
+    return [
+        KernelVariant(q, d, n, threads=t, unroll=u)
+        for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))
+        for t, u in (SMALL_TILING, LARGE_TILING)
+    ]
+
+
+def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
+    """The compile spec of one variant for one arch."""
+    return launcher.source_spec(SOURCE, arch, variant.macros(), variant.name)
+
+
+# -- the launch plan ----------------------------------------------------------------------------
+# The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
+_MAX_GRID = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch configuration loaded on one GPU, with the sizes its grid is cut by."""
+
+    kernel: launcher.LoadedKernel
+    threads: int
+    tile_elems: int  # elements one block writes on the vectorized path
+    chunk: int  # elements one thread writes with one 16-byte store
+
+    def grid_and_path(self, packed_ptr: int, out_ptr: int, n: int) -> tuple[int, int]:
+        """(blocks, vectorized flag). 16-byte stores need a 16-byte aligned output and the packed
+        loads chunk / 2 bytes; one tile per block (measured fastest, NOTES.md), or one element
+        per thread on the scalar path a misaligned call takes."""
+        if packed_ptr % (self.chunk // 2) == 0 and out_ptr % 16 == 0:
+            return max(1, min(-(-n // self.tile_elems), _MAX_GRID)), 1
+        return max(1, min(-(-n // self.threads), _MAX_GRID)), 0
+
+
+_plans: dict[tuple, Plan] = {}
+
+
+def plan(quant_type: str, out_dtype: str, nested: bool, n: int, device_index: int) -> Plan:
+    """The plan for ``n`` output elements on one GPU, compiling and loading its variant once."""
+    tiling = tiling_for(n)
+    key = (quant_type, out_dtype, nested, tiling, device_index)
+    if (hit := _plans.get(key)) is None:
+        variant = KernelVariant(quant_type, out_dtype, nested, *tiling)
+        loaded = launcher.load(variant.name, SOURCE, ENTRY, device_index, KERNEL_PARAMS, variant.macros())
+        chunk = variant.chunk_elems
+        hit = _plans[key] = Plan(loaded, variant.threads, variant.threads * variant.unroll * chunk, chunk)
+    return hit
+
+
+# -- the launch on PyTorch's current stream -------------------------------------------------------
+@functools.cache
+def _torch_hooks():
+    """(current device, raw current-stream handle, torch) bound once: PyTorch's raw calls without
+    building Stream objects or re-checking lazy init (what Triton's launcher uses), the public
+    calls as the fallback."""
+    import torch
+
+    current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return current_device, stream, torch
+
+
+_bound = threading.local()  # device indexes whose primary context this thread has made current
+
+
+def launch(
+    quant_type: str,
+    out_dtype: str,
+    nested: bool,
+    device_index: int,
+    scales: tuple[int, int, int, int, int, float],
+    out_ptr: int,
+    n: int,
+    blocksize: int,
+    blocksize2: int,
+) -> None:
+    """Dequantize ``n`` elements on the current stream of GPU ``device_index``. ``scales`` holds
+    the first six KernelArgs (packed data, absmax, code2, absmax2, offset pointer and value);
+    the inputs are valid (the caller checked them)."""
+    p = plan(quant_type, out_dtype, nested, n, device_index)
+    grid, vectorized = p.grid_and_path(scales[0], out_ptr, n)
+    args = (*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
+    current_device, stream, torch = _torch_hooks()
+    if device_index != current_device():
+        with torch.cuda.device(device_index):
+            launcher.launch(p.kernel, grid, p.threads, stream(device_index), args)
+        return
+    bound = getattr(_bound, "devices", None)
+    if bound is None or device_index not in bound:
+        # A thread that has not used CUDA yet may have no current context; PyTorch's device
+        # switch makes the primary context current (the same one the kernel was loaded into).
+        torch.cuda.set_device(device_index)
+        _bound.devices = (bound or frozenset()) | {device_index}
+    launcher.launch(p.kernel, grid, p.threads, stream(device_index), args)
