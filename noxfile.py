@@ -251,9 +251,9 @@ def bnb_paths(session: nox.Session) -> None:
 def sanitize(session: nox.Session) -> None:
     """compute-sanitizer memcheck, racecheck, synccheck and initcheck over the kernel's reduced matrix (GPU only).
 
-    ``-- --tools memcheck`` picks tools; ``-- --inputs bnb`` feeds bitsandbytes-quantized weights
-    and prints each buffer's address range (to trace an uninitialized read); logs land in
-    ``NF4_HARNESS_PERF_OUT`` (perf-out)/sanitize.
+    Inputs written by PyTorch and by bitsandbytes' quantizer; ``-- --tools memcheck`` or
+    ``-- --inputs bnb`` picks. An uninitialized read is traced to its buffer and byte offset;
+    logs land in ``NF4_HARNESS_PERF_OUT`` (perf-out)/sanitize.
     """
     if not gpu_count():
         session.error("nox -s sanitize needs an NVIDIA GPU: none is visible on this machine")

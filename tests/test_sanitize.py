@@ -17,14 +17,22 @@ REPORT = """========= COMPUTE-SANITIZER
 
 
 def test_report_counts_kernel_errors_apart_from_host_api_noise():
-    assert sanitize.count_errors(REPORT) == {"errors in our kernel": 1, "host API errors": 2}
+    assert sanitize.count_errors(REPORT) == {
+        "errors in our kernel": 1,
+        "errors in other kernels": 0,
+        "host API errors": 2,
+    }
     clean = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
-    assert sanitize.count_errors(clean) == {"errors in our kernel": 0, "host API errors": 0}
+    assert sanitize.count_errors(clean) == {
+        "errors in our kernel": 0,
+        "errors in other kernels": 0,
+        "host API errors": 0,
+    }
 
 
 def test_racecheck_hazards_count_as_errors_in_our_kernel():
     report = "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n"
-    assert sanitize.count_errors(report) == {"errors in our kernel": 3, "host API errors": 0}
+    assert sanitize.count_errors(report)["errors in our kernel"] == 3
     clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
     assert sanitize.count_errors(clean)["errors in our kernel"] == 0
 
@@ -32,3 +40,35 @@ def test_racecheck_hazards_count_as_errors_in_our_kernel():
 def test_a_report_without_a_summary_is_not_read_as_clean():
     report = "========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
     assert sanitize.count_errors(report)["errors in our kernel"] is None
+
+
+INITCHECK = """========= COMPUTE-SANITIZER
+case nf4 torch.float16 nested=True (37, 61): A 0x7f0000001000+1129, absmax 0x7f0000002000+36, code2 0x7f0000003000+1024
+========= Uninitialized __global__ memory read of size 1 bytes
+=========     at dequantize_4bit_kernel+0x2a0
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Address 0x7f0000002003
+=========
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at void kQuantizeBlockwise<float, 256, 2, 0, 0>(float *, float *)+0x80
+=========     by thread (5,0,0) in block (0,0,0)
+=========     Address 0x7f0000009000
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+
+
+def test_errors_in_other_kernels_are_counted_apart_from_ours():
+    assert sanitize.count_errors(INITCHECK) == {
+        "errors in our kernel": 1,
+        "errors in other kernels": 1,
+        "host API errors": 0,
+    }
+
+
+def test_an_uninitialized_read_is_traced_to_its_buffer_and_offset():
+    (traced,) = sanitize.trace_reads(INITCHECK)
+    assert traced["buffer"] == "absmax" and traced["byte offset"] == 3
+    assert traced["case"] == "nf4 torch.float16 nested=True (37, 61)"
+    outside = INITCHECK.replace("0x7f0000002003", "0x7f0000008000")
+    assert sanitize.trace_reads(outside)[0]["buffer"] == "outside every input buffer"

@@ -1,23 +1,27 @@
 """compute-sanitizer over the kernel: memcheck, racecheck, synccheck and initcheck (GPU).
 
-    python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw|bnb] [--out DIR]
+    python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw,bnb] [--out DIR]
 
 Each tool runs this module again under ``compute-sanitizer`` (``--cases``), which launches a
 reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested)
-at both tilings, a tail (an odd element count), and a misaligned output (the scalar path). Only
-our kernel is checked (``--kernel-name kns=dequantize_4bit_kernel``); host API errors the
-libraries hit while probing (``cuGetProcAddress`` and the like) are counted separately. The run
-fails when any tool reports an error in our kernel.
+at both tilings (the large one forced onto small tensors, which a sanitizer runs in seconds),
+with and without a tail (an odd element count), and with a misaligned output (the scalar path).
+Every error is attributed to the kernel it names: only errors in ours fail the run; errors in
+other kernels (PyTorch's, bitsandbytes') and host API errors the libraries hit while probing
+(``cuGetProcAddress`` and the like) are counted apart. memcheck, racecheck and synccheck check
+our kernel alone (``--kernel-name``); initcheck checks every kernel, because it learns which bytes
+are initialized only from the kernels it instruments: filtered to ours, it reports every byte
+another kernel wrote (bitsandbytes' quantized data, say) as uninitialized.
 
-Inputs: ``raw`` (the gate) are random bytes and scales written by PyTorch, so every byte the
-kernel may read was written. ``bnb`` quantizes random weights with bitsandbytes instead, and
-prints every buffer's address range, so an uninitialized read can be traced to the buffer it
-hit: bitsandbytes leaves bytes it never writes (see kernels/NOTES.md).
+Inputs: ``raw`` are random bytes and scales written by PyTorch; ``bnb`` quantizes random weights
+with bitsandbytes. Both print every input buffer's address range, and each uninitialized read is
+traced to the buffer and byte offset it hit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import re
 import shutil
@@ -29,66 +33,115 @@ from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 KERNEL = "dequantize_4bit_kernel"
-# (shape, why): the small tiling with and without a tail, the large one (>= 16M elements) with one.
-SHAPES = (((64, 96), "small"), ((37, 61), "small, odd tail"), ((4096, 4097), "large, odd tail"))
+# Tools that check our kernel only; initcheck must instrument every kernel (module docstring).
+FILTERED = ("memcheck", "racecheck", "synccheck")
+# Shapes: several vectorized tiles with no tail, a tail (odd element count), a single byte.
+SHAPES = ((64, 96), (37, 61), (1, 3))
 # memcheck, synccheck and initcheck end with an ERROR SUMMARY; racecheck with a RACECHECK SUMMARY
 # whose errors and warnings are both hazards in the checked kernel.
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
-_API_ERROR = re.compile(r"^=+ Program hit ", re.M)
+_RECORD = re.compile(r"^=+ (?! )(?!COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY)(\S.*)$")
+_AT = re.compile(r"^=+\s+at (.*)$")
+_ADDRESS = re.compile(r"Address (0x[0-9a-fA-F]+)")
+_RANGES = re.compile(r"^case (?P<label>[^:]+): (?P<ranges>.*)$", re.M)
+_RANGE = re.compile(r"(\w+) 0x([0-9a-f]+)\+(\d+)")
 
 
 def run_cases(inputs: str) -> int:
     """Launch the reduced matrix once (under a sanitizer, from ``main``); 0 when every output equals
     bitsandbytes' bit for bit."""
+    from unittest import mock
+
     import bitsandbytes.functional as F
     import torch
 
     from harness.correctness import cases
     from harness.correctness.bitcompare import poison_
-    from harness.runtime import api
+    from harness.runtime import api, dequantize_kernel
 
     device = torch.device("cuda", torch.cuda.current_device())
     mismatches = 0
-    matrix = itertools.product(("nf4", "fp4"), (torch.float16, torch.bfloat16, torch.float32), (False, True), SHAPES)
-    for quant, dtype, nested, (shape, _) in matrix:
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    tilings = (dequantize_kernel.SMALL_TILING, dequantize_kernel.LARGE_TILING)
+    for quant, dtype, nested, shape in itertools.product(("nf4", "fp4"), dtypes, (False, True), SHAPES):
         if inputs == "raw":
             case = cases.raw_case(shape, quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
             A, qs = case.A, case.quant_state()
         else:
             A, qs = cases.quantize_weights(shape, quant, 64, nested, dtype, seed=0, device=device)
-            _print_ranges(f"{quant} {dtype} nested={nested} {shape}", A, qs)
+        _print_ranges(f"{quant} {dtype} nested={nested} {shape}", A, qs)
         expected = F.dequantize_4bit(A, qs)
-        for misaligned in (False, True) if shape != SHAPES[-1][0] else (False,):
+        for tiling, misaligned in itertools.product(tilings, (False, True)):
             buffer = torch.empty(expected.numel() + 1, dtype=dtype, device=device)
             out = buffer[1:].view(expected.shape) if misaligned else buffer[:-1].view(expected.shape)
             poison_(out)
-            api.dequantize_4bit(A, qs, out=out)
-            same = torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
-            mismatches += not same
+            force = mock.patch.object(dequantize_kernel, "tiling_for", lambda n, tiling=tiling: tiling)
+            with force if tiling != dequantize_kernel.tiling_for(out.numel()) else contextlib.nullcontext():
+                api.dequantize_4bit(A, qs, out=out)
+            mismatches += not torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     torch.cuda.synchronize(device)
+    print(f"cases: {mismatches} outputs differ from bitsandbytes", flush=True)
     return 1 if mismatches else 0
 
 
 def _print_ranges(label: str, A, qs) -> None:
+    import torch
+
     buffers = {"A": A, "absmax": qs.absmax}
     if qs.nested:
-        buffers |= {"code2": qs.state2.code, "absmax2": qs.state2.absmax, "offset": qs.offset}
+        buffers |= {"code2": qs.state2.code, "absmax2": qs.state2.absmax}
+        if isinstance(qs.offset, torch.Tensor) and qs.offset.is_cuda:
+            buffers["offset"] = qs.offset
     ranges = ", ".join(f"{k} 0x{t.data_ptr():x}+{t.numel() * t.element_size()}" for k, t in buffers.items())
     print(f"case {label}: {ranges}", flush=True)
 
 
+def error_records(report: str) -> list[tuple[str, str, str | None]]:
+    """Each error record of a report as (what, where: the ``at`` line, address or None)."""
+    records: list[list] = []
+    for line in report.splitlines():
+        if m := _RECORD.match(line):
+            records.append([m.group(1).strip(), "", None])
+        elif records and (m := _AT.match(line)) and not records[-1][1]:
+            records[-1][1] = m.group(1)
+        elif records and (m := _ADDRESS.search(line)) and records[-1][2] is None:
+            records[-1][2] = m.group(1)
+    return [tuple(r) for r in records if not r[0].startswith("Saved host backtrace")]
+
+
+def trace_reads(report: str) -> list[dict]:
+    """Uninitialized reads in our kernel, each traced to (case, buffer, byte offset) through the
+    address ranges the cases printed."""
+    ranges = []
+    for m in _RANGES.finditer(report):
+        for name, start, size in _RANGE.findall(m.group("ranges")):
+            ranges.append((int(start, 16), int(size), m.group("label"), name))
+    traced = []
+    for what, where, address in error_records(report):
+        if KERNEL not in where or address is None or not what.startswith("Uninitialized"):
+            continue
+        a = int(address, 16)
+        # The latest case whose buffer holds the address (the allocator reuses memory).
+        hit = next(((label, name, a - s) for s, size, label, name in reversed(ranges) if s <= a < s + size), None)
+        label, name, offset = hit or ("?", "outside every input buffer", None)
+        traced.append({"read": what, "case": label, "buffer": name, "byte offset": offset})
+    return traced
+
+
 def count_errors(report: str) -> dict:
-    """Errors in a compute-sanitizer report: in our kernel (the only one checked) and host API
-    errors (``Program hit ...`` lines, which the ERROR SUMMARY counts too)."""
-    api = len(_API_ERROR.findall(report))
+    """Errors in a compute-sanitizer report: in our kernel, in other kernels, and host API errors
+    (``Program hit ...``). ``None`` for our kernel when the report has no summary (the sanitizer
+    did not finish)."""
+    records = error_records(report)
+    api = sum(what.startswith("Program hit") for what, _, _ in records)
+    ours = sum(KERNEL in where for what, where, _ in records if not what.startswith("Program hit"))
+    others = len(records) - api - ours
     if races := _RACE_SUMMARY.findall(report):
-        return {"errors in our kernel": sum(int(e) + int(w) for e, w in races), "host API errors": api}
-    summaries = _SUMMARY.findall(report)
-    if not summaries:
-        return {"errors in our kernel": None, "host API errors": api}  # the sanitizer did not finish
-    total = sum(int(n) for n in summaries)
-    return {"errors in our kernel": total - api, "host API errors": api}
+        ours = sum(int(e) + int(w) for e, w in races)  # hazards are summarised, not all printed
+    elif not _SUMMARY.findall(report):
+        ours = None
+    return {"errors in our kernel": ours, "errors in other kernels": others, "host API errors": api}
 
 
 def sanitize(tool: str, inputs: str, log: Path) -> dict:
@@ -96,9 +149,9 @@ def sanitize(tool: str, inputs: str, log: Path) -> dict:
     cmd = [
         "compute-sanitizer",
         f"--tool={tool}",
-        f"--kernel-name=kns={KERNEL}",
+        *([f"--kernel-name=kns={KERNEL}"] if tool in FILTERED else []),
         "--report-api-errors=all",
-        "--print-limit=200",
+        "--print-limit=1000",
         sys.executable,
         "-m",
         "harness.correctness.sanitize",
@@ -109,6 +162,11 @@ def sanitize(tool: str, inputs: str, log: Path) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
     log.write_text(text)
+    traced = trace_reads(text)
+    if traced:
+        from tabulate import tabulate
+
+        log.with_suffix(".traced.txt").write_text(tabulate(traced, headers="keys", tablefmt="github") + "\n")
     return {
         "tool": tool,
         **count_errors(text),
@@ -122,25 +180,28 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m harness.correctness.sanitize", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--tools", default=",".join(TOOLS))
-    parser.add_argument("--inputs", choices=("raw", "bnb"), default="raw")
+    parser.add_argument("--inputs", default="raw,bnb", help="raw, bnb or both (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("sanitize-out"))
     parser.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the sanitized process
     args = parser.parse_args(argv)
     if args.cases:
         return run_cases(args.inputs)
+    inputs = args.inputs.split(",")
+    if not set(inputs) <= {"raw", "bnb"}:
+        parser.error(f"--inputs takes raw, bnb or both, got {args.inputs!r}")
     if shutil.which("compute-sanitizer") is None:
         print("compute-sanitizer is not on PATH (it ships with the CUDA toolkit)", file=sys.stderr)
         return 2
     from tabulate import tabulate
 
     args.out.mkdir(parents=True, exist_ok=True)
-    tools = args.tools.split(",")
-    # One process per tool, all at once: the sanitizers' cost is mostly on the host.
-    with ThreadPoolExecutor(len(tools)) as pool:
-        rows = list(pool.map(lambda tool: sanitize(tool, args.inputs, args.out / f"{tool}-{args.inputs}.log"), tools))
+    runs = list(itertools.product(args.tools.split(","), inputs))
+    # One process per run, all at once: the sanitizers' cost is mostly on the host.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        rows = list(pool.map(lambda r: {"inputs": r[1], **sanitize(*r, args.out / f"{r[0]}-{r[1]}.log")}, runs))
     print(tabulate(rows, headers="keys", tablefmt="github"))
     failed = any(r["errors in our kernel"] != 0 or r["cases exit status"] for r in rows)
-    print(f"sanitize ({args.inputs} inputs): {'FAIL' if failed else 'PASS'}; logs in {args.out}")
+    print(f"sanitize: {'FAIL' if failed else 'PASS'}; logs in {args.out}")
     return 1 if failed else 0
 
 
