@@ -52,8 +52,7 @@ def _install(
         session.log("--no-venv: using the packages of the current interpreter, installing nothing")
         return
     if torch and not _has_module(session, "torch"):
-        # CPU-only CI pins a CPU build of PyTorch here; GPU runners already have theirs.
-        session.install(SETTINGS.TORCH_SPEC.get())
+        session.install(*torch_requirement())
     reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
     if project and torch:
         session.install("-e", ".", *reqs, *extra)
@@ -62,6 +61,20 @@ def _install(
         session.install("--no-deps", "-e", ".")
     else:
         session.install(*reqs, *extra)
+
+
+# PyTorch's own index of CPU-only builds: an unpinned torch from PyPI is a CUDA build that pulls
+# about 3 GB of nvidia-* wheels a CPU machine never uses.
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def torch_requirement() -> list[str]:
+    """pip arguments for PyTorch where none is installed: a CPU build where no GPU is visible
+    (GPU runners keep their own build: sessions see the system's site-packages)."""
+    index = SETTINGS.TORCH_INDEX.get()
+    if index is None:
+        index = "" if gpu_count() else CPU_TORCH_INDEX
+    return [SETTINGS.TORCH_SPEC.get(), *(["--index-url", index] if index else [])]
 
 
 def _python(session: nox.Session) -> str:

@@ -28,5 +28,11 @@ GPUS = Setting("NF4_HARNESS_GPUS", None, "how many GPUs nox assumes (default: co
 WORKER_GPUS = Setting("NF4_HARNESS_WORKER_GPUS", None, "set by nox: the GPUs its pytest-xdist workers pin, one each")
 PERF_OUT = Setting("NF4_HARNESS_PERF_OUT", "perf-out", "where the GPU report sessions write their tables and logs")
 TORCH_SPEC = Setting("NF4_HARNESS_TORCH_SPEC", "torch", "the PyTorch requirement nox installs where none is present")
+TORCH_INDEX = Setting(
+    "NF4_HARNESS_TORCH_INDEX",
+    None,
+    "the index that PyTorch comes from (default: PyTorch's CPU-only index where no GPU is visible, "
+    "pip's configured index on a GPU machine; empty: pip's configured index)",
+)
 
-ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC)
+ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC, TORCH_INDEX)

@@ -80,7 +80,10 @@ def test_perf_against_a_ref_runs_that_refs_tests_on_both_checkouts(tmp_path):
     pytest.importorskip("nox")
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    env = {**os.environ, "NF4_HARNESS_GPUS": "1", "NF4_HARNESS_PERF_OUT": str(tmp_path / "out")}
+    # Not this run's pytest-xdist worker variables: the child's pytest-benchmark would take them
+    # for its own xdist and refuse --benchmark-only.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env |= {"NF4_HARNESS_GPUS": "1", "NF4_HARNESS_PERF_OUT": str(tmp_path / "out")}
     done = subprocess.run(
         [sys.executable, "-m", "nox", "--no-venv", "-s", "perf", "--", "--against", "HEAD", "--collect-only", "-q"],
         cwd=ROOT, capture_output=True, text=True, check=False, env=env,
@@ -154,11 +157,30 @@ def test_readme_lists_every_setting():
     assert all(f"| `{s.name}` |" in readme for s in settings.ALL)
 
 
-def test_a_second_run_reuses_the_sessions_virtualenv():
-    """A rebuilt virtualenv costs minutes on a CPU box; a reused one, a pip check."""
+def _noxfile():
+    pytest.importorskip("nox")
     sys.path.insert(0, str(ROOT))
     try:
         import noxfile
     finally:
         sys.path.remove(str(ROOT))
-    assert noxfile.nox.options.reuse_venv == "yes"
+    return noxfile
+
+
+def test_a_second_run_reuses_the_sessions_virtualenv():
+    """A rebuilt virtualenv costs minutes on a CPU box; a reused one, a pip check."""
+    assert _noxfile().nox.options.reuse_venv == "yes"
+
+
+def test_pytorch_is_a_cpu_build_where_no_gpu_is_visible(monkeypatch):
+    noxfile = _noxfile()
+    monkeypatch.delenv("NF4_HARNESS_TORCH_INDEX", raising=False)
+    monkeypatch.setenv("NF4_HARNESS_TORCH_SPEC", "torch")
+    monkeypatch.setenv("NF4_HARNESS_GPUS", "0")
+    assert noxfile.torch_requirement() == ["torch", "--index-url", noxfile.CPU_TORCH_INDEX]
+    monkeypatch.setenv("NF4_HARNESS_GPUS", "1")  # a GPU machine keeps pip's index (a CUDA build)
+    assert noxfile.torch_requirement() == ["torch"]
+    monkeypatch.setenv("NF4_HARNESS_GPUS", "0")
+    monkeypatch.setenv("NF4_HARNESS_TORCH_INDEX", "")  # the override: pip's configured index
+    monkeypatch.setenv("NF4_HARNESS_TORCH_SPEC", "torch==2.13.0")
+    assert noxfile.torch_requirement() == ["torch==2.13.0"]
