@@ -76,7 +76,7 @@ def test_cli_fails_against_a_tighter_record(tmp_path):
     path.write_text(json.dumps(tight))
     done = subprocess.run(
         [sys.executable, "-m", "harness.compile_check.resource_record", "--record", str(path)],
-        capture_output=True, text=True, check=False, cwd=Path(resource_record.__file__).parent.parent,
+        capture_output=True, text=True, check=False, cwd=Path(resource_record.__file__).parents[2],
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "registers" in done.stdout and "nox -s compile -- --update" in done.stdout
