@@ -151,6 +151,7 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     calls = {
         "floor: bare cuda-python launch": timer.bare_launch(),
+        "of which cuLaunchKernel alone": timer.driver_launch(),
         "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
         "ours, out=": lambda: api.dequantize_4bit(A, qs, out=out),
         "ours": lambda: api.dequantize_4bit(A, qs),

@@ -183,6 +183,17 @@ class ColdL2Timer:
         params = (self.flag.data_ptr(), self.timed_out.data_ptr(), 0)
         return lambda: launcher.launch(self.blocker, 1, 32, stream, params)
 
+    def driver_launch(self) -> Callable[[], None]:
+        """The same launch as ``bare_launch`` as one cuLaunchKernel call with every argument built
+        beforehand: what the driver binding alone costs, below the launcher's own packing."""
+        from cuda.bindings import driver
+
+        self.flag.fill_(1)
+        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        self.blocker.packer.pack((self.flag.data_ptr(), self.timed_out.data_ptr(), 0))
+        handle, params = self.blocker.handle, self.blocker.packer.params
+        return lambda: driver.cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
+
     def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
         """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):
         one batch of an A/B round, where the round count, not the batch, adapts to the noise."""
