@@ -175,24 +175,28 @@ class ColdL2Timer:
         current, _ = self.clock()
         return elapsed_s, current
 
-    def bare_launch(self) -> Callable[[], None]:
-        """One launch of the blocking kernel with its flag already set (it exits at once): the
-        host floor every cuda-python launch pays, for host-time comparisons."""
+    def _released_args(self) -> tuple[int, int, int]:
+        """The blocking kernel's arguments with its flag already set: it exits at once."""
         self.flag.fill_(1)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        params = (self.flag.data_ptr(), self.timed_out.data_ptr(), 0)
-        return lambda: launcher.launch(self.blocker, 1, 32, stream, params)
+        return (self.flag.data_ptr(), self.timed_out.data_ptr(), 0)
+
+    def bare_launch(self) -> Callable[[], None]:
+        """One launch of the blocking kernel, released (it exits at once): the host floor every
+        cuda-python launch pays, for host-time comparisons."""
+        stream, args = torch.cuda.current_stream(self.device).cuda_stream, self._released_args()
+        return lambda: launcher.launch(self.blocker, 1, 32, stream, args)
 
     def driver_launch(self) -> Callable[[], None]:
         """The same launch as ``bare_launch`` as one cuLaunchKernel call with every argument built
-        beforehand: what the driver binding alone costs, below the launcher's own packing."""
+        beforehand (in a buffer of its own): what the driver binding alone costs, below the
+        launcher's own packing."""
         from cuda.bindings import driver
 
-        self.flag.fill_(1)
         stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        self.blocker.packer.pack((self.flag.data_ptr(), self.timed_out.data_ptr(), 0))
-        handle, params = self.blocker.handle, self.blocker.packer.params
-        return lambda: driver.cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
+        packer = launcher.ArgPacker(BLOCKER_PARAMS)
+        packer.pack(self._released_args())
+        handle = self.blocker.handle
+        return lambda: driver.cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, stream, packer.params, 0)
 
     def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
         """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):

@@ -15,7 +15,7 @@ import torch
 
 from harness.errors import DequantizeInputError
 from harness.runtime import dequantize_kernel
-from harness.runtime.dequantize_kernel import BLOCKSIZES
+from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 
 # Output dtypes by the name the kernel variants use: the one map between the two spellings.
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -136,7 +136,7 @@ def dequantize_packed(
     # Same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
         _fail(f"invalid blocksize {blocksize}")
-    if quant_type != "nf4" and quant_type != "fp4":
+    if quant_type not in QUANT_TYPES:
         _fail(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
     out_name = _OUT_NAME.get(dtype)
     if out_name is None:

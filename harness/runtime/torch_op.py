@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from harness.runtime import api, patch
-from harness.runtime.dequantize_kernel import BLOCKSIZES
+from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 
 
 def dequantize_4bit(
@@ -95,7 +95,7 @@ def takes(A, quant_state) -> bool:
         return False
     if quant_state.dtype not in api.DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
         return False
-    if quant_state.quant_type not in ("nf4", "fp4"):
+    if quant_state.quant_type not in QUANT_TYPES:
         return False
     if quant_state.nested:
         state2 = quant_state.state2
