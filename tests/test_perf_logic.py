@@ -412,3 +412,13 @@ def test_host_time_per_call_warms_up_then_times_each_function_between_syncs():
     times = gpu_timer.host_us_per_call(fns, lambda: events.append("sync"), calls=5, warmup=2)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
     assert events == ["a"] * 2 + ["sync"] + ["a"] * 5 + ["sync"] + ["b"] * 2 + ["sync"] + ["b"] * 5 + ["sync"]
+
+
+def test_host_time_is_timed_in_batches_shorter_than_the_launch_queue(monkeypatch):
+    from harness.perf import gpu_timer
+
+    assert gpu_timer.HOST_BATCH <= 256  # the driver queues about a thousand launches
+    monkeypatch.setattr(gpu_timer, "HOST_BATCH", 2)
+    events = []
+    gpu_timer.host_us_per_call({"a": lambda: events.append("a")}, lambda: events.append("sync"), calls=5, warmup=1)
+    assert events == ["a", "sync", "a", "a", "sync", "a", "a", "sync", "a", "sync"]
