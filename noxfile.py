@@ -102,6 +102,13 @@ def gpu_count() -> int:
     return min(count, len([d for d in visible.split(",") if d.strip()])) if visible is not None else count
 
 
+def _gpu_env(**extra: str) -> dict[str, str]:
+    """The environment of a session on a GPU: the compiled host path is required there, so a
+    missing C++ toolchain fails the session instead of quietly running the Python path."""
+    name = SETTINGS.HOST_LAUNCHER.name
+    return {name: os.environ.get(name, "compiled"), **extra}
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check; actionlint and zizmor on the GitHub workflows."""
@@ -156,15 +163,15 @@ def correctness(session: nox.Session) -> None:
     user_marks = _take_marker(posargs)
     if gpus == 1:
         session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
-        session.run(_python(session), *args, "-m", _and_marks("not multigpu", user_marks), *posargs)
+        session.run(_python(session), *args, "-m", _and_marks("not multigpu", user_marks), *posargs, env=_gpu_env())
         return
     # One pytest-xdist worker per GPU, each pinned to its GPU (tests/conftest.py), then the cases
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
-    env = {SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))}
+    env = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
     single = _and_marks("not multigpu", user_marks)
     session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=env)
-    session.run(_python(session), *args, "-m", _and_marks("multigpu", user_marks), *posargs)
+    session.run(_python(session), *args, "-m", _and_marks("multigpu", user_marks), *posargs, env=_gpu_env())
 
 
 def _take_marker(args: list[str]) -> str | None:
@@ -241,7 +248,7 @@ def perf(session: nox.Session) -> None:
         "--benchmark-columns=median,iqr,rounds",
         *sides,
         *args,
-        env={"PYTHONPATH": str(judge)},
+        env=_gpu_env(PYTHONPATH=str(judge)),
     )
 
 
@@ -257,7 +264,7 @@ def bnb_paths(session: nox.Session) -> None:
         session.error("nox -s bnb-paths needs an NVIDIA GPU: none is visible on this machine")
     _install(session, "test", "perf", "e2e", torch=True)
     out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get()
-    session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs)
+    session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs, env=_gpu_env())
 
 
 @nox.session(venv_params=["--system-site-packages"], default=False)
@@ -272,4 +279,6 @@ def sanitize(session: nox.Session) -> None:
         session.error("nox -s sanitize needs an NVIDIA GPU: none is visible on this machine")
     _install(session, "test", torch=True)
     out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get() / "sanitize"
-    session.run(_python(session), "-m", "harness.correctness.sanitize", f"--out={out}", *session.posargs)
+    session.run(
+        _python(session), "-m", "harness.correctness.sanitize", f"--out={out}", *session.posargs, env=_gpu_env()
+    )

@@ -3,10 +3,17 @@
 Attributes load lazily so the compile layer (``harness.runtime.jit``) works without PyTorch installed.
 """
 
-from harness.errors import DequantizeInputError, KernelCompileError, KernelLaunchError, ToolchainMissingError
+from harness.errors import (
+    DequantizeInputError,
+    HostLauncherUnavailable,
+    KernelCompileError,
+    KernelLaunchError,
+    ToolchainMissingError,
+)
 
 __all__ = [
     "DequantizeInputError",
+    "HostLauncherUnavailable",
     "KernelCompileError",
     "KernelLaunchError",
     "ToolchainMissingError",

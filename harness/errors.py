@@ -12,6 +12,10 @@ class ToolchainMissingError(RuntimeError):
     """NVRTC, the CUDA headers or cuda-python itself is not installed; the message names the package."""
 
 
+class HostLauncherUnavailable(RuntimeError):
+    """The compiled host launcher could not be built or bound where the settings require it."""
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries NVRTC's log."""
 

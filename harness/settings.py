@@ -34,5 +34,11 @@ TORCH_INDEX = Setting(
     "the index that PyTorch comes from (default: PyTorch's CPU-only index where no GPU is visible, "
     "pip's configured index on a GPU machine; empty: pip's configured index)",
 )
+HOST_LAUNCHER = Setting(
+    "NF4_HARNESS_HOST_LAUNCHER",
+    "auto",
+    "the drop-in's host path: auto (compiled where a C++ toolchain builds it, else Python with a warning), "
+    "compiled (a failed build is an error), python",
+)
 
-ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC, TORCH_INDEX)
+ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC, TORCH_INDEX, HOST_LAUNCHER)

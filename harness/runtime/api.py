@@ -4,17 +4,23 @@ Everything is validated before anything is enqueued, so a bad call never reaches
 CUDA context stays usable. Differences from bitsandbytes are deliberate and only make it stricter:
 bitsandbytes would silently read out of bounds or reinterpret memory for the inputs rejected here
 (short absmax, wrong dtypes, tensors on another GPU, a non-contiguous ``out``).
+
+A call goes to the compiled host path first (``host_launcher``), which takes it when every tensor
+is already as the kernel reads it; anything else, bad input included, runs the Python path below,
+which owns every error message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Any
 
 import torch
 
 from harness.errors import DequantizeInputError
-from harness.runtime import dequantize_kernel
+from harness.runtime import dequantize_kernel, host_launcher, launcher
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 
 # Output dtypes by the name the kernel variants use: the one map between the two spellings.
@@ -115,6 +121,32 @@ def dequantize_4bit(
     return result
 
 
+# The compiled entry point: None until the first call binds it, False where the Python path is used.
+_host = None
+_bind_lock = threading.Lock()
+
+
+def _bind_host():
+    global _host
+    with _bind_lock:
+        if _host is None:
+            # Without a GPU there is nothing the compiled path could take: no build, no warning.
+            _host = (host_launcher.bind() if torch.cuda.is_available() else None) or False
+    return _host
+
+
+@contextlib.contextmanager
+def python_path_only():
+    """Run the calls inside through the Python path alone: for side-by-side measurements and tests
+    of the two paths (not thread-safe; nothing in the harness uses it outside those)."""
+    global _host
+    saved, _host = _host, False
+    try:
+        yield
+    finally:
+        _host = saved
+
+
 def dequantize_packed(
     A: torch.Tensor,
     absmax: torch.Tensor,
@@ -133,6 +165,46 @@ def dequantize_packed(
     scales or, with ``code2`` given, their 8-bit codes decoded in the same launch as
     ``code2[absmax] * absmax2[block // blocksize2] + offset``. Returns ``out`` (allocated when
     None) shaped ``shape``; never transposes."""
+    host = _host if _host is not None else _bind_host()
+    if host:
+        result = host(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
+        if result is not None:
+            if result.__class__ is int:  # the driver refused the launch: name the variant and the error
+                variant = dequantize_kernel.plan(
+                    quant_type, _OUT_NAME[dtype], code2 is not None, math.prod(shape), A.get_device()
+                )
+                raise launcher.launch_error(variant.kernel.label, result)
+            return result
+    return _dequantize_checked(
+        A,
+        absmax,
+        blocksize,
+        quant_type,
+        shape,
+        dtype,
+        out,
+        code2=code2,
+        absmax2=absmax2,
+        blocksize2=blocksize2,
+        offset=offset,
+    )
+
+
+def _dequantize_checked(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    *,
+    code2: torch.Tensor | None = None,
+    absmax2: torch.Tensor | None = None,
+    blocksize2: int | None = None,
+    offset: Any = None,
+) -> torch.Tensor:
+    """The Python path of ``dequantize_packed``: every check, with bitsandbytes' messages."""
     # Same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
         _fail(f"invalid blocksize {blocksize}")

@@ -54,6 +54,8 @@ KERNEL_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", 
 LARGE_TILING = (512, 2)
 SMALL_TILING = (256, 4)
 LARGE_MIN_ELEMENTS = 16 << 20
+# Indexed by ``numel >= LARGE_MIN_ELEMENTS`` (the compiled host path picks a tiling the same way).
+TILINGS = (SMALL_TILING, LARGE_TILING)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class KernelVariant:
 
 def tiling_for(numel: int) -> tuple[int, int]:
     """(threads, unroll) the drop-in API launches for a tensor of ``numel`` elements."""
-    return LARGE_TILING if numel >= LARGE_MIN_ELEMENTS else SMALL_TILING
+    return TILINGS[numel >= LARGE_MIN_ELEMENTS]
 
 
 def all_variants() -> list[KernelVariant]:
@@ -117,7 +119,7 @@ def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
 
 # -- the launch plan ----------------------------------------------------------------------------
 # The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
-_MAX_GRID = (1 << 31) - 1
+MAX_GRID = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,8 @@ class Plan:
         loads chunk / 2 bytes; one tile per block (measured fastest, NOTES.md), or one element
         per thread on the scalar path a misaligned call takes."""
         if packed_ptr % (self.chunk // 2) == 0 and out_ptr % 16 == 0:
-            return max(1, min(-(-n // self.tile_elems), _MAX_GRID)), 1
-        return max(1, min(-(-n // self.threads), _MAX_GRID)), 0
+            return max(1, min(-(-n // self.tile_elems), MAX_GRID)), 1
+        return max(1, min(-(-n // self.threads), MAX_GRID)), 0
 
 
 _plans: dict[tuple, Plan] = {}
@@ -143,7 +145,11 @@ _plans: dict[tuple, Plan] = {}
 
 def plan(quant_type: str, out_dtype: str, nested: bool, n: int, device_index: int) -> Plan:
     """The plan for ``n`` output elements on one GPU, compiling and loading its variant once."""
-    tiling = tiling_for(n)
+    return plan_tiled(quant_type, out_dtype, nested, tiling_for(n), device_index)
+
+
+def plan_tiled(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int, int], device_index: int) -> Plan:
+    """The plan of one tiling on one GPU, compiling and loading its variant once."""
     key = (quant_type, out_dtype, nested, tiling, device_index)
     if (hit := _plans.get(key)) is None:
         variant = KernelVariant(quant_type, out_dtype, nested, *tiling)

@@ -112,6 +112,34 @@ def _bind_driver():
     return driver
 
 
+_contexts: dict[int, int] = {}
+
+
+def primary_context(device_index: int) -> int:
+    """The handle of a GPU's primary context (the one PyTorch and ``load`` use), retained for the
+    life of the process."""
+    if (ctx := _contexts.get(device_index)) is None:
+        driver = _driver or _bind_driver()
+        err, device = driver.cuDeviceGet(device_index)
+        if not err:
+            err, handle = driver.cuDevicePrimaryCtxRetain(device)
+        if err:
+            raise KernelLaunchError(f"device {device_index}", _error_name(err), "no primary context")
+        ctx = _contexts.setdefault(device_index, int(handle))
+    return ctx
+
+
+def _error_name(err) -> str:
+    driver = _driver or _bind_driver()
+    _, name = driver.cuGetErrorName(driver.CUresult(int(err)))
+    return name.decode() if name else str(err)
+
+
+def launch_error(label: str, err) -> KernelLaunchError:
+    """The exception for a launch the driver refused with CUresult ``err``."""
+    return KernelLaunchError(label, _error_name(err), f"cuLaunchKernel returned {int(err)}")
+
+
 def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, args) -> None:
     """Enqueue one launch of ``loaded`` with ``args`` (in the order of its parameter kinds) on a
     raw CUDA stream handle (e.g. PyTorch's current stream). A refused launch raises
@@ -124,7 +152,4 @@ def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, args
         packer.pack(args)
         (err,) = driver.cuLaunchKernel(loaded.handle, grid, 1, 1, block, 1, 1, 0, stream, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
-        _, err_name = driver.cuGetErrorName(err)
-        raise KernelLaunchError(
-            loaded.label, err_name.decode() if err_name else str(err), f"cuLaunchKernel returned {err}"
-        )
+        raise launch_error(loaded.label, err)

@@ -1,0 +1,160 @@
+"""The drop-in's compiled host path (``host_launcher.cpp``): built once per machine with
+``torch.utils.cpp_extension``, then bound to this process' CUDA driver and PyTorch.
+
+Why: on an H100 host a drop-in call through Python costs ~16 µs of host time: tensor property
+reads, PyTorch's Python allocation path and the cuda-python binding around a ~2 µs driver call.
+The compiled path does the same checks, allocation and launch in C++ (kernels/NOTES.md has the
+breakdown and the measurements).
+
+It takes a call only when every tensor is already in the form the kernel reads; for anything
+else it answers None and ``api`` runs the Python path, which owns every error message. It knows
+no facts of its own: the quant types, output dtypes, block sizes, tiling threshold and plans
+come from ``dequantize_kernel`` through :func:`configure`.
+
+``NF4_HARNESS_HOST_LAUNCHER`` picks what happens: ``auto`` (default) builds it and falls back to
+the Python path with a warning where it cannot be built (no C++ compiler, no Python headers);
+``compiled`` makes that an error (the GPU sessions use it, so a missing toolchain is never a
+silent slowdown); ``python`` never builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+from harness import settings
+from harness.errors import HostLauncherUnavailable
+from harness.runtime import dequantize_kernel, jit, launcher
+
+SOURCE = Path(__file__).with_name("host_launcher.cpp")
+MODULE_NAME = "nf4_harness_host"
+MODES = ("auto", "compiled", "python")
+# Built like the CUDA sources are: optimised, every warning shown in the build log.
+CFLAGS = ("-O2", "-Wall")
+
+
+def mode() -> str:
+    value = settings.HOST_LAUNCHER.get()
+    if value not in MODES:
+        raise ValueError(f"{settings.HOST_LAUNCHER.name} must be one of {MODES}, got {value!r}")
+    return value
+
+
+def build_dir() -> Path:
+    """Where this source is built for this PyTorch and this Python: a build for another one is
+    another directory, never overwritten (the C++ ABI of both is part of the binary)."""
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    python = f"{sys.implementation.cache_tag}{sysconfig.get_config_var('abiflags') or ''}"
+    return jit.cache_dir() / "host" / f"{MODULE_NAME}-torch{torch.__version__}-{python}-{digest}"
+
+
+def build():
+    """Compile (once per machine; parallel processes wait on one lock) and import the module."""
+    import filelock
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(directory / "build.lock")):
+        # cpp_extension's own lock is a plain file a killed build leaves behind, and then every later
+        # load waits forever; while we hold ours, no other build of this directory is running.
+        (directory / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name=MODULE_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(directory),
+            with_cuda=False,
+            verbose=False,
+        )
+
+
+def _driver_entry(name: str) -> int:
+    """The address of a driver entry point, with legacy default-stream semantics (PyTorch's stream 0)."""
+    from cuda.bindings import driver
+
+    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
+    # 12000: the ABI of these entry points has not changed since CUDA 4; any driver this runs on is newer.
+    err, address, status = driver.cuGetProcAddress(name.encode(), 12000, flags)
+    if err or not address or status != driver.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS:
+        raise HostLauncherUnavailable(f"the driver has no {name} ({err}, {status})")
+    return int(address)
+
+
+def _resolve_plan(quant: int, dtype: int, nested: int, tiling: int, device: int) -> tuple[int, int, int, int, int]:
+    """What the compiled path needs of one plan, loading it on first use."""
+    p = dequantize_kernel.plan_tiled(
+        dequantize_kernel.QUANT_TYPES[quant],
+        dequantize_kernel.OUT_DTYPES[dtype],
+        bool(nested),
+        dequantize_kernel.TILINGS[tiling],
+        device,
+    )
+    return int(p.kernel.handle), launcher.primary_context(device), p.threads, p.tile_elems, p.chunk
+
+
+def subclass_ok(cls: type) -> bool:
+    """May the compiled path read a Tensor subclass directly? Only where reading it through Python
+    would do the same: the subclass keeps PyTorch's own __torch_function__ and __torch_dispatch__."""
+    import torch
+
+    def underlying(attr):
+        return getattr(attr, "__func__", attr)
+
+    function = underlying(getattr(cls, "__torch_function__", None))
+    dispatch = underlying(getattr(cls, "__torch_dispatch__", None))
+    return function in (underlying(torch.Tensor.__torch_function__), torch._C._disabled_torch_function_impl) and (
+        dispatch is underlying(torch.Tensor.__torch_dispatch__)
+    )
+
+
+def configure(module):
+    """The module's dequantize entry point bound to the driver entry points, PyTorch's stream
+    lookup and the kernel's facts (each bound entry point has its own plans)."""
+    import torch
+
+    from harness.runtime.api import DTYPES
+
+    return module.configure(
+        _driver_entry("cuLaunchKernel"),
+        _driver_entry("cuCtxGetCurrent"),
+        torch._C._cuda_getCurrentRawStream,
+        _resolve_plan,
+        subclass_ok,
+        dequantize_kernel.QUANT_TYPES,
+        tuple(DTYPES[name] for name in dequantize_kernel.OUT_DTYPES),
+        dequantize_kernel.BLOCKSIZES,
+        dequantize_kernel.LARGE_MIN_ELEMENTS,
+        dequantize_kernel.MAX_GRID,
+        torch.cuda.device_count(),
+    )
+
+
+def bind():
+    """The compiled entry point ready to call, or None where the Python path is to be used."""
+    chosen = mode()
+    if chosen == "python":
+        return None
+    try:
+        entry = configure(build())
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if chosen == "compiled":
+            raise HostLauncherUnavailable(
+                f"the compiled host launcher could not be built or bound ({reason}); "
+                f"{settings.HOST_LAUNCHER.name}=compiled requires it"
+            ) from exc
+        warnings.warn(
+            f"nf4-harness: the compiled host launcher is unavailable ({reason}); using the Python path, "
+            f"which costs several times the host time per call. {settings.HOST_LAUNCHER.name}=python "
+            "skips the attempt.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return entry

@@ -1,0 +1,306 @@
+"""The compiled host path (harness/runtime/host_launcher.cpp).
+
+Without a GPU: it builds against this PyTorch, packs the kernel's parameters in KernelArgs' order,
+declines every call it cannot take, and the binding modes behave as documented. On a GPU: it
+takes every valid call, bit-identical to the Python path, declines the forms the Python path
+converts or rejects, works from a fresh thread, and names the CUDA error of a refused launch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import harness
+from harness import settings
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.errors import HostLauncherUnavailable, KernelLaunchError
+from harness.runtime import api, dequantize_kernel, host_launcher
+from harness.runtime.dequantize_kernel import KERNEL_PARAMS, OUT_DTYPES, QUANT_TYPES
+
+
+@pytest.fixture(scope="module")
+def module():
+    """The extension, built once per cache directory (about 20 s on two cores)."""
+    return host_launcher.build()
+
+
+def _inert_entry(module):
+    """An entry point bound to nothing it may reach: any call that got as far as a plan fails."""
+
+    def no_plan(*args):
+        raise AssertionError(f"a declined call resolved a plan {args}")
+
+    return module.configure(
+        1,  # never called: every call here is declined before the launch
+        1,
+        lambda device: 0,
+        no_plan,
+        host_launcher.subclass_ok,
+        QUANT_TYPES,
+        tuple(api.DTYPES[name] for name in OUT_DTYPES),
+        dequantize_kernel.BLOCKSIZES,
+        dequantize_kernel.LARGE_MIN_ELEMENTS,
+        dequantize_kernel.MAX_GRID,
+        0,
+    )
+
+
+# --- no GPU needed -----------------------------------------------------------------------------
+
+
+def test_packs_the_kernel_parameters_in_kernel_args_order(module):
+    assert module.param_kinds() == KERNEL_PARAMS
+
+
+def test_declines_host_tensors_and_malformed_calls(module):
+    entry = _inert_entry(module)
+    A, absmax = torch.zeros(64, 1, dtype=torch.uint8), torch.ones(2)
+    good = [A, absmax, None, None, None, None, torch.Size([128]), torch.float16, 64, None, "nf4"]
+    malformed = {
+        "host tensors": good,
+        "too few arguments": good[:5],
+        "A not a tensor": [A.numpy(), *good[1:]],
+        "shape not a sequence": [*good[:6], 128, *good[7:]],
+        "shape of floats": [*good[:6], (128.0,), *good[7:]],
+        "blocksize 48": [*good[:8], 48, *good[9:]],
+        "blocksize as float": [*good[:8], 64.0, *good[9:]],
+        "quant type int4": [*good[:10], "int4"],
+        "dtype float64": [*good[:7], torch.float64, *good[8:]],
+    }
+    for name, args in malformed.items():
+        assert entry(*args) is None, name
+
+
+def test_a_subclass_is_read_directly_only_where_python_would_read_the_same():
+    class Plain(torch.Tensor):
+        pass
+
+    class OwnFunction(torch.Tensor):  # like bitsandbytes' Params4bit
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class OwnDispatch(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert host_launcher.subclass_ok(torch.nn.Parameter)
+    assert host_launcher.subclass_ok(Plain)
+    assert not host_launcher.subclass_ok(OwnFunction)
+    assert not host_launcher.subclass_ok(OwnDispatch)
+
+
+def test_binding_modes(monkeypatch):
+    def broken_build():
+        raise RuntimeError("Error building extension 'nf4_harness_host'\nc++: not found")
+
+    monkeypatch.setattr(host_launcher, "build", broken_build)
+    monkeypatch.setenv(settings.HOST_LAUNCHER.name, "auto")
+    with pytest.warns(RuntimeWarning, match="compiled host launcher is unavailable .*Error building extension"):
+        assert host_launcher.bind() is None
+    monkeypatch.setenv(settings.HOST_LAUNCHER.name, "compiled")
+    with pytest.raises(HostLauncherUnavailable, match="NF4_HARNESS_HOST_LAUNCHER=compiled requires it"):
+        host_launcher.bind()
+    monkeypatch.setenv(settings.HOST_LAUNCHER.name, "python")
+    assert host_launcher.bind() is None  # and no build was tried: it would have warned or raised
+    monkeypatch.setenv(settings.HOST_LAUNCHER.name, "fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        host_launcher.bind()
+
+
+def test_build_dir_names_torch_python_and_source():
+    name = host_launcher.build_dir().name
+    assert torch.__version__ in name
+    assert host_launcher.MODULE_NAME in name
+
+
+# --- on the GPU --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def entry(cuda):
+    bound = api._host if api._host is not None else api._bind_host()
+    if not bound:
+        pytest.skip(
+            "the compiled host launcher is not available here (see the warning); "
+            f"{settings.HOST_LAUNCHER.name}=compiled says why"
+        )
+    return bound
+
+
+def _args(case, out=None, offset="tensor"):
+    """``entry``'s arguments for a RawCase, the nested offset as a device tensor or a float."""
+    nested = case.code2 is not None
+    value = None
+    if nested:
+        value = case.offset if offset == "tensor" else float(case.offset)
+    return [
+        case.A,
+        case.absmax,
+        case.code2,
+        case.absmax2,
+        value,
+        out,
+        torch.Size(case.shape),
+        case.dtype,
+        case.blocksize,
+        case.blocksize2 if nested else None,
+        case.quant_type,
+    ]
+
+
+def _python_path(args):
+    A, absmax, code2, absmax2, offset, _out, shape, dtype, blocksize, blocksize2, quant_type = args
+    expected = poison_(torch.empty(shape, dtype=dtype, device=A.device), alternate=True)
+    with api.python_path_only():
+        api.dequantize_packed(
+            A, absmax, blocksize, quant_type, shape, dtype, expected,
+            code2=code2, absmax2=absmax2, blocksize2=blocksize2, offset=offset,
+        )  # fmt: skip
+    return expected
+
+
+def _misaligned(shape, dtype, device):
+    """A contiguous tensor of ``shape`` one element past a 16-byte boundary: the scalar path."""
+    n = int(torch.Size(shape).numel())
+    return torch.empty(n + 8, dtype=dtype, device=device)[1 : n + 1].view(shape)
+
+
+SCALES = ("plain", "nested-tensor-offset", "nested-float-offset")
+OUTS = ("allocated", "out", "out-misaligned")
+SHAPES = {"small": (96, 130), "large-tiling": (4096, 4096)}  # 4096 x 4096 = LARGE_MIN_ELEMENTS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quant_type", "out_dtype", "scales", "outs", "size"),
+    list(itertools.product(QUANT_TYPES, OUT_DTYPES, SCALES, OUTS, SHAPES)),
+    ids=lambda v: str(v),
+)
+def test_takes_every_valid_call_bit_identical_to_the_python_path(
+    entry, cuda, run_seed, quant_type, out_dtype, scales, outs, size
+):
+    dtype = api.DTYPES[out_dtype]
+    case = cases.raw_case(SHAPES[size], quant_type, 64, dtype, scales != "plain", run_seed, device=cuda)
+    out = None
+    if outs == "out":
+        out = poison_(torch.empty(case.shape, dtype=dtype, device=cuda))
+    elif outs == "out-misaligned":
+        out = poison_(_misaligned(case.shape, dtype, cuda))
+    args = _args(case, out, offset="float" if scales == "nested-float-offset" else "tensor")
+    got = entry(*args)
+    assert isinstance(got, torch.Tensor), f"the compiled path declined a valid call: {got!r}"
+    if out is not None:
+        assert got is out
+    assert got.shape == torch.Size(case.shape) and got.dtype == dtype and got.device == case.A.device
+    assert_bit_exact(got, _python_path(args), f"{quant_type} {out_dtype} {scales} {outs} {size}")
+
+
+@pytest.mark.gpu
+def test_declines_what_the_python_path_converts_or_rejects(entry, cuda, run_seed):
+    case = cases.raw_case((96, 130), "nf4", 64, torch.float16, True, run_seed, device=cuda)
+
+    class OwnFunction(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def changed(**what):
+        args = _args(case)
+        names = ("A", "absmax", "code2", "absmax2", "offset", "out", "shape", "dtype", "blocksize", "blocksize2")
+        for name, value in what.items():
+            args[names.index(name)] = value
+        return args
+
+    converted = {  # valid: the Python path converts these, then launches
+        "offset on the host": changed(offset=case.offset.cpu()),
+        "offset as fp16": changed(offset=case.offset.half()),
+        "A a subclass with its own __torch_function__": changed(A=case.A.as_subclass(OwnFunction)),
+    }
+    for name, args in converted.items():
+        assert entry(*args) is None, name
+        A, absmax, code2, absmax2, offset, _out, shape, dtype, blocksize, blocksize2, quant_type = args
+        got = api.dequantize_packed(
+            A,
+            absmax,
+            blocksize,
+            quant_type,
+            shape,
+            dtype,
+            code2=code2,
+            absmax2=absmax2,
+            blocksize2=blocksize2,
+            offset=offset,
+        )
+        assert_bit_exact(got, _python_path(args), name)
+    rejected = {
+        "absmax codes short": changed(absmax=case.absmax[:-1]),
+        "code2 as fp16": changed(code2=case.code2.half()),
+        "blocksize2 not a power of two": changed(blocksize2=100),
+        "A too short": changed(A=case.A[:-1]),
+        "out not contiguous": changed(out=torch.empty(130, 96, dtype=torch.float16, device=cuda).t()),
+        "out of another dtype": changed(out=torch.empty(case.shape, dtype=torch.float32, device=cuda)),
+    }
+    for name, args in rejected.items():
+        assert entry(*args) is None, name
+
+
+@pytest.mark.gpu
+def test_a_fresh_thread_gets_the_same_bits_and_then_the_compiled_path(entry, cuda, run_seed):
+    case = cases.raw_case((96, 130), "fp4", 64, torch.bfloat16, True, run_seed, device=cuda)
+    expected = _python_path(_args(case))
+    seen = {}
+
+    def work():
+        try:
+            seen["first"] = harness.dequantize_4bit(case.A, case.quant_state())
+            seen["second"] = entry(*_args(case))
+        except BaseException as exc:  # reported in the main thread
+            seen["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in seen, seen.get("error")
+    assert_bit_exact(seen["first"], expected, "first call in a fresh thread")
+    assert isinstance(seen["second"], torch.Tensor), "the compiled path still declines after the thread's first call"
+    assert_bit_exact(seen["second"], expected, "compiled path in a fresh thread")
+
+
+@pytest.mark.gpu
+def test_a_refused_launch_names_the_cuda_error_and_the_context_survives(
+    entry, module, cuda, bnb, run_seed, monkeypatch
+):
+    def oversized(*key):
+        function, context, _threads, tile, chunk = host_launcher._resolve_plan(*key)
+        return function, context, 4096, tile, chunk  # more threads per block than any GPU has
+
+    refusing = module.configure(
+        host_launcher._driver_entry("cuLaunchKernel"),
+        host_launcher._driver_entry("cuCtxGetCurrent"),
+        torch._C._cuda_getCurrentRawStream,
+        oversized,
+        host_launcher.subclass_ok,
+        QUANT_TYPES,
+        tuple(api.DTYPES[name] for name in OUT_DTYPES),
+        dequantize_kernel.BLOCKSIZES,
+        dequantize_kernel.LARGE_MIN_ELEMENTS,
+        dequantize_kernel.MAX_GRID,
+        torch.cuda.device_count(),
+    )
+    case = cases.raw_case((96, 130), "nf4", 64, torch.float16, False, run_seed, device=cuda)
+    monkeypatch.setattr(api, "_host", refusing)
+    with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
+        harness.dequantize_4bit(case.A, case.quant_state())
+    assert info.value.kernel == dequantize_kernel.plan("nf4", "fp16", False, 96 * 130, cuda.index).kernel.label
+    monkeypatch.setattr(api, "_host", entry)
+    torch.cuda.synchronize()
+    got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
+    harness.dequantize_4bit(case.A, case.quant_state(), out=got)
+    assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))
