@@ -3,9 +3,10 @@
     python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw,bnb] [--out DIR]
 
 Each tool runs this module again under ``compute-sanitizer`` (``--cases``), which launches a
-reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested)
-at both tilings (the large one forced onto small tensors, which a sanitizer runs in seconds),
-with and without a tail (an odd element count), and with a misaligned output (the scalar path).
+reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested),
+launched by the compiled host path and by the Python path at both tilings (the large one forced
+onto small tensors, which a sanitizer runs in seconds), with and without a tail (an odd element
+count), and with a misaligned output (the scalar path).
 Every error is attributed to the kernel it names: only errors in ours fail the run; errors in
 other kernels (PyTorch's, bitsandbytes') and host API errors the libraries hit while probing
 (``cuGetProcAddress`` and the like) are counted apart. memcheck, racecheck and synccheck check
@@ -21,6 +22,8 @@ traced to the buffer and byte offset it hit.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import re
 import shutil
@@ -29,6 +32,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 KERNEL = "dequantize_4bit_kernel"
@@ -50,8 +54,6 @@ _RANGE = re.compile(r"(\w+) 0x([0-9a-f]+)\+(\d+)")
 def run_cases(inputs: str) -> int:
     """Launch the reduced matrix once (under a sanitizer, from ``main``); 0 when every output equals
     bitsandbytes' bit for bit."""
-    from unittest import mock
-
     import bitsandbytes.functional as F
     import torch
 
@@ -62,7 +64,10 @@ def run_cases(inputs: str) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     mismatches = 0
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    tilings = (dequantize_kernel.SMALL_TILING, dequantize_kernel.LARGE_TILING)
+    # The compiled host path as it picks the launch, then the Python path with each tiling forced.
+    host_paths = [contextlib.nullcontext] + [
+        functools.partial(_python_path_tiled, api, dequantize_kernel, tiling) for tiling in dequantize_kernel.TILINGS
+    ]
     for quant, dtype, nested, shape in itertools.product(("nf4", "fp4"), dtypes, (False, True), SHAPES):
         if inputs == "raw":
             case = cases.raw_case(shape, quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
@@ -71,16 +76,22 @@ def run_cases(inputs: str) -> int:
             A, qs = cases.quantize_weights(shape, quant, 64, nested, dtype, seed=0, device=device)
         _print_ranges(f"{quant} {dtype} nested={nested} {shape}", A, qs)
         expected = F.dequantize_4bit(A, qs)
-        for tiling, misaligned in itertools.product(tilings, (False, True)):
+        for host_path, misaligned in itertools.product(host_paths, (False, True)):
             buffer = torch.empty(expected.numel() + 1, dtype=dtype, device=device)
             out = buffer[1:].view(expected.shape) if misaligned else buffer[:-1].view(expected.shape)
             poison_(out)
-            with mock.patch.object(dequantize_kernel, "tiling_for", lambda n, tiling=tiling: tiling):
+            with host_path():
                 api.dequantize_4bit(A, qs, out=out)
             mismatches += not torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     torch.cuda.synchronize(device)
     print(f"cases: {mismatches} outputs differ from bitsandbytes", flush=True)
     return 1 if mismatches else 0
+
+
+@contextlib.contextmanager
+def _python_path_tiled(api, dequantize_kernel, tiling):
+    with api.python_path_only(), mock.patch.object(dequantize_kernel, "tiling_for", lambda n: tiling):
+        yield
 
 
 def _print_ranges(label: str, A, qs) -> None:
