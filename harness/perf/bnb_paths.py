@@ -158,6 +158,12 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
         "bitsandbytes F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs),
     }
     times = gpu_timer.host_us_per_call(calls, sync, HOST_CALLS, warmup=50)
+    with api.python_path_only():  # the same calls without the compiled host path, for comparison
+        python_path = {
+            "ours, Python path, out=": lambda: api.dequantize_4bit(A, qs, out=out),
+            "ours, Python path": lambda: api.dequantize_4bit(A, qs),
+        }
+        times |= gpu_timer.host_us_per_call(python_path, sync, HOST_CALLS, warmup=50)
     with patch.bitsandbytes_patched():
         patched = {"ours via patched F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs)}
         times |= gpu_timer.host_us_per_call(patched, sync, HOST_CALLS, warmup=50)
