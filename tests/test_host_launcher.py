@@ -9,6 +9,7 @@ converts or rejects, works from a fresh thread, and names the CUDA error of a re
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 import pytest
@@ -112,6 +113,16 @@ def test_binding_modes(monkeypatch):
     monkeypatch.setenv(settings.HOST_LAUNCHER.name, "fast")
     with pytest.raises(ValueError, match="must be one of"):
         host_launcher.bind()
+
+
+def test_ninja_of_an_unactivated_virtualenv_is_found_for_the_build_only(monkeypatch):
+    import ninja  # a dependency of the harness
+
+    monkeypatch.setattr(host_launcher.shutil, "which", lambda name: None)
+    before = os.environ.get("PATH", "")
+    with host_launcher._ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert os.environ.get("PATH", "") == before
 
 
 def test_build_dir_names_torch_python_and_source():

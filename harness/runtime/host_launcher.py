@@ -19,7 +19,10 @@ silent slowdown); ``python`` never builds it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
 import sys
 import sysconfig
 import warnings
@@ -60,7 +63,7 @@ def build():
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(directory / "build.lock")):
+    with filelock.FileLock(str(directory / "build.lock")), _ninja_on_path():
         # cpp_extension's own lock is a plain file a killed build leaves behind, and then every later
         # load waits forever; while we hold ours, no other build of this directory is running.
         (directory / "lock").unlink(missing_ok=True)
@@ -72,6 +75,26 @@ def build():
             with_cuda=False,
             verbose=False,
         )
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs ``ninja`` from PATH; a virtualenv used without activating it has the ninja
+    wheel's binary but not on PATH, so it is added for the build and taken away after."""
+    if shutil.which("ninja"):
+        yield
+        return
+    try:
+        import ninja
+    except ImportError:
+        yield  # cpp_extension then says that ninja is missing
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def _driver_entry(name: str) -> int:

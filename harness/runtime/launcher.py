@@ -124,7 +124,7 @@ def primary_context(device_index: int) -> int:
         if not err:
             err, handle = driver.cuDevicePrimaryCtxRetain(device)
         if err:
-            raise KernelLaunchError(f"device {device_index}", _error_name(err), "no primary context")
+            raise RuntimeError(f"GPU {device_index} has no primary context: {_error_name(err)}")
         ctx = _contexts.setdefault(device_index, int(handle))
     return ctx
 
