@@ -35,7 +35,7 @@ from harness.runtime import dequantize_kernel, jit, launcher
 SOURCE = Path(__file__).with_name("host_launcher.cpp")
 MODULE_NAME = "nf4_harness_host"
 MODES = ("auto", "compiled", "python")
-# Built like the CUDA sources are: optimised, every warning shown in the build log.
+# -Wall: a failed build's log (which cpp_extension's error carries) shows every warning too.
 CFLAGS = ("-O2", "-Wall")
 
 
