@@ -36,19 +36,8 @@ def _inert_entry(module):
     def no_plan(*args):
         raise AssertionError(f"a declined call resolved a plan {args}")
 
-    return module.configure(
-        1,  # never called: every call here is declined before the launch
-        1,
-        lambda device: 0,
-        no_plan,
-        host_launcher.subclass_ok,
-        QUANT_TYPES,
-        tuple(api.DTYPES[name] for name in OUT_DTYPES),
-        dequantize_kernel.BLOCKSIZES,
-        dequantize_kernel.LARGE_MIN_ELEMENTS,
-        dequantize_kernel.MAX_GRID,
-        0,
-    )
+    # Never called: every call here is declined before the stream lookup and the launch.
+    return host_launcher.configure(module, no_plan, launch_kernel=1, ctx_get_current=1, raw_stream=int, devices=0)
 
 
 # --- no GPU needed -----------------------------------------------------------------------------
@@ -292,19 +281,7 @@ def test_a_refused_launch_names_the_cuda_error_and_the_context_survives(
         function, context, _threads, tile, chunk = host_launcher._resolve_plan(*key)
         return function, context, 4096, tile, chunk  # more threads per block than any GPU has
 
-    refusing = module.configure(
-        host_launcher._driver_entry("cuLaunchKernel"),
-        host_launcher._driver_entry("cuCtxGetCurrent"),
-        torch._C._cuda_getCurrentRawStream,
-        oversized,
-        host_launcher.subclass_ok,
-        QUANT_TYPES,
-        tuple(api.DTYPES[name] for name in OUT_DTYPES),
-        dequantize_kernel.BLOCKSIZES,
-        dequantize_kernel.LARGE_MIN_ELEMENTS,
-        dequantize_kernel.MAX_GRID,
-        torch.cuda.device_count(),
-    )
+    refusing = host_launcher.configure(module, oversized)
     case = cases.raw_case((96, 130), "nf4", 64, torch.float16, False, run_seed, device=cuda)
     monkeypatch.setattr(api, "_host", refusing)
     with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:

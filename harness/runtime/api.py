@@ -175,37 +175,7 @@ def dequantize_packed(
                 )
                 raise launcher.launch_error(variant.kernel.label, result)
             return result
-    return _dequantize_checked(
-        A,
-        absmax,
-        blocksize,
-        quant_type,
-        shape,
-        dtype,
-        out,
-        code2=code2,
-        absmax2=absmax2,
-        blocksize2=blocksize2,
-        offset=offset,
-    )
-
-
-def _dequantize_checked(
-    A: torch.Tensor,
-    absmax: torch.Tensor,
-    blocksize: int,
-    quant_type: str,
-    shape,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    *,
-    code2: torch.Tensor | None = None,
-    absmax2: torch.Tensor | None = None,
-    blocksize2: int | None = None,
-    offset: Any = None,
-) -> torch.Tensor:
-    """The Python path of ``dequantize_packed``: every check, with bitsandbytes' messages."""
-    # Same checks, order and messages as bitsandbytes.
+    # The Python path: the same checks, order and messages as bitsandbytes.
     if blocksize not in BLOCKSIZES:
         _fail(f"invalid blocksize {blocksize}")
     if quant_type not in QUANT_TYPES:

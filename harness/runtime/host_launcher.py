@@ -136,25 +136,28 @@ def subclass_ok(cls: type) -> bool:
     )
 
 
-def configure(module):
+def configure(
+    module, resolve_plan=_resolve_plan, *, launch_kernel=None, ctx_get_current=None, raw_stream=None, devices=None
+):
     """The module's dequantize entry point bound to the driver entry points, PyTorch's stream
-    lookup and the kernel's facts (each bound entry point has its own plans)."""
+    lookup and the kernel's facts (each bound entry point has its own plans). Tests replace the
+    plan resolver, or bind inert driver entry points where there is no GPU."""
     import torch
 
     from harness.runtime.api import DTYPES
 
     return module.configure(
-        _driver_entry("cuLaunchKernel"),
-        _driver_entry("cuCtxGetCurrent"),
-        torch._C._cuda_getCurrentRawStream,
-        _resolve_plan,
+        launch_kernel or _driver_entry("cuLaunchKernel"),
+        ctx_get_current or _driver_entry("cuCtxGetCurrent"),
+        raw_stream or torch._C._cuda_getCurrentRawStream,
+        resolve_plan,
         subclass_ok,
         dequantize_kernel.QUANT_TYPES,
         tuple(DTYPES[name] for name in dequantize_kernel.OUT_DTYPES),
         dequantize_kernel.BLOCKSIZES,
         dequantize_kernel.LARGE_MIN_ELEMENTS,
         dequantize_kernel.MAX_GRID,
-        torch.cuda.device_count(),
+        torch.cuda.device_count() if devices is None else devices,
     )
 
 
