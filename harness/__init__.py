@@ -8,6 +8,7 @@ from harness.errors import (
     HostLauncherUnavailable,
     KernelCompileError,
     KernelLaunchError,
+    SettingError,
     ToolchainMissingError,
 )
 
@@ -16,6 +17,7 @@ __all__ = [
     "HostLauncherUnavailable",
     "KernelCompileError",
     "KernelLaunchError",
+    "SettingError",
     "ToolchainMissingError",
     "bitsandbytes_patched",
     "dequantize_4bit",

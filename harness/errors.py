@@ -1,5 +1,16 @@
 """Exceptions the harness raises, so callers can tell bad input from a broken toolchain or GPU."""
 
+from harness.settings import SettingError  # defined beside the settings, which load without the package
+
+__all__ = [
+    "DequantizeInputError",
+    "HostLauncherUnavailable",
+    "KernelCompileError",
+    "KernelLaunchError",
+    "SettingError",
+    "ToolchainMissingError",
+]
+
 
 class DequantizeInputError(ValueError):
     """Arguments that can never be dequantized; raised before anything is launched.

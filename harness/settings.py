@@ -10,14 +10,23 @@ import os
 from dataclasses import dataclass
 
 
+class SettingError(RuntimeError):
+    """A setting holds a value it cannot take. Not a ValueError: no caller may take it for bad
+    input and carry on quietly (the bitsandbytes patch falls back on bad input)."""
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
     default: str | None
     meaning: str
+    choices: tuple[str, ...] | None = None
 
     def get(self) -> str | None:
-        return os.environ.get(self.name, self.default)
+        value = os.environ.get(self.name, self.default)
+        if self.choices is not None and value not in self.choices:
+            raise SettingError(f"{self.name} must be one of {self.choices}, got {value!r}")
+        return value
 
 
 CACHE_DIR = Setting("NF4_HARNESS_CACHE_DIR", None, "compiled-kernel cache directory (default: the user cache dir)")
@@ -39,6 +48,7 @@ HOST_LAUNCHER = Setting(
     "auto",
     "the drop-in's host path: auto (compiled where a C++ toolchain builds it, else Python with a warning), "
     "compiled (a failed build is an error), python",
+    choices=("auto", "compiled", "python"),
 )
 
 ALL = (CACHE_DIR, KERNELS_DIR, SEED, REQUIRE_GPU, GPUS, WORKER_GPUS, PERF_OUT, TORCH_SPEC, TORCH_INDEX, HOST_LAUNCHER)
