@@ -7,6 +7,7 @@ interpreter and installs nothing.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -47,13 +48,23 @@ def _no_venv(session: nox.Session) -> bool:
 def _install(
     session: nox.Session, *groups: str, project: bool = True, torch: bool = False, extra: tuple[str, ...] = ()
 ) -> None:
-    """Install the project and dependency groups, or, under --no-venv, use what is there."""
+    """Install the project and dependency groups, or, under --no-venv, use what is there. A reused
+    virtualenv that already holds exactly this request installs nothing (see ``_installed``)."""
     if _no_venv(session):
         session.log("--no-venv: using the packages of the current interpreter, installing nothing")
         return
+    reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
+    request = {
+        "groups": reqs,
+        "project": project,
+        "torch": torch_requirement() if torch else None,
+        "extra": list(extra),
+    }
+    if _installed(session, request):
+        session.log("this virtualenv already holds these requirements: installing nothing")
+        return
     if torch and not _has_module(session, "torch"):
         session.install(*torch_requirement())
-    reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
     if project and torch:
         session.install("-e", ".", *reqs, *extra)
     elif project:  # the project without its PyTorch dependency: the group lists what is needed
@@ -61,6 +72,31 @@ def _install(
         session.install("--no-deps", "-e", ".")
     else:
         session.install(*reqs, *extra)
+    _installed(session, request, record=True)
+
+
+INSTALL_STAMP = "nf4-harness-installed.json"
+
+
+def _installed(session: nox.Session, request: dict, record: bool = False) -> bool:
+    """Whether this virtualenv was last installed for the same request and the same pyproject.toml
+    (with ``record``: note that it now is). pip re-checks every requirement on each run, and the
+    editable install rebuilds the project in an isolated environment: tens of seconds for nothing
+    when the virtualenv is reused."""
+    location = getattr(session.virtualenv, "location", None)
+    if not location:
+        return False
+    stamp = Path(location) / INSTALL_STAMP
+    digest = hashlib.sha256(
+        json.dumps(request, sort_keys=True).encode() + Path("pyproject.toml").read_bytes()
+    ).hexdigest()
+    if record:
+        stamp.write_text(json.dumps({"digest": digest, **request}, indent=1))
+        return True
+    try:
+        return json.loads(stamp.read_text()).get("digest") == digest
+    except (OSError, ValueError):
+        return False
 
 
 # PyTorch's own index of CPU-only builds: an unpinned torch from PyPI is a CUDA build that pulls
@@ -82,8 +118,11 @@ def _python(session: nox.Session) -> str:
 
 
 def _has_module(session: nox.Session, name: str) -> bool:
-    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
-    return session.run(_python(session), "-c", code, silent=True, success_codes=[0, 1], log=False) is True
+    """Whether the session's interpreter can import ``name``. (With ``silent=True`` nox returns
+    the command's output, not a status: the answer is read from what it prints.)"""
+    code = f"import importlib.util; print('found' if importlib.util.find_spec({name!r}) else 'missing')"
+    output = session.run(_python(session), "-c", code, silent=True, log=False)
+    return isinstance(output, str) and output.strip().splitlines()[-1:] == ["found"]
 
 
 def gpu_count() -> int:
@@ -248,8 +287,15 @@ def perf(session: nox.Session) -> None:
         "--benchmark-columns=median,iqr,rounds",
         *sides,
         *args,
-        env=_gpu_env(PYTHONPATH=str(judge)),
+        env=_gpu_env(PYTHONPATH=judge_pythonpath(judge)),
     )
+
+
+def judge_pythonpath(judge: Path) -> str:
+    """The perf worker's PYTHONPATH: the judge's checkout first, then whatever the caller had
+    (packages installed on PYTHONPATH, as on clusters and offline boxes, stay importable)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(judge), *inherited])
 
 
 @nox.session(name="bnb-paths", venv_params=["--system-site-packages"], default=False)

@@ -184,3 +184,70 @@ def test_pytorch_is_a_cpu_build_where_no_gpu_is_visible(monkeypatch):
     monkeypatch.setenv("NF4_HARNESS_TORCH_INDEX", "")  # the override: pip's configured index
     monkeypatch.setenv("NF4_HARNESS_TORCH_SPEC", "torch==2.13.0")
     assert noxfile.torch_requirement() == ["torch==2.13.0"]
+
+
+class _Session:
+    """What ``_has_module`` reads of a nox session: ``run`` with ``silent=True`` returns the
+    command's output as a string (nox's documented behaviour), never True."""
+
+    venv_backend = "venv"
+
+    def __init__(self, output: str):
+        self.output = output
+
+    def run(self, *args, silent=False, **kwargs):
+        assert silent, "the answer is read from the output, which nox returns only when silent"
+        return self.output
+
+
+def test_has_module_reads_what_the_interpreter_printed():
+    noxfile = _noxfile()
+    assert noxfile._has_module(_Session("found\n"), "torch")
+    assert not noxfile._has_module(_Session("missing\n"), "torch")
+    assert not noxfile._has_module(_Session(""), "torch")
+
+
+def test_a_second_correctness_run_installs_nothing():
+    """The run that is testing this installed into .nox/correctness; running the session again
+    must reuse it without a single pip install (collection only: seconds)."""
+    noxfile = _noxfile()
+    venv = ROOT / ".nox" / "correctness"
+    if Path(sys.prefix).resolve() != venv.resolve():
+        pytest.skip("runs inside `nox -s correctness`, whose virtualenv it reuses")
+    assert (venv / noxfile.INSTALL_STAMP).is_file()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    done = subprocess.run(
+        [sys.executable, "-m", "nox", "-s", "correctness", "--", "--collect-only", "-q", "tests/test_ptxas_report.py"],
+        cwd=ROOT, capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "installing nothing" in output and "pip install" not in output, output
+
+
+def test_the_perf_worker_keeps_an_inherited_pythonpath(monkeypatch):
+    noxfile = _noxfile()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/site-a", "", "/opt/site-b"]))
+    judge = Path("/ci/judge")
+    assert noxfile.judge_pythonpath(judge).split(os.pathsep) == [str(judge), "/opt/site-a", "/opt/site-b"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert noxfile.judge_pythonpath(judge) == str(judge)
+
+
+def test_kernels_is_not_importable_from_any_directory(tmp_path):
+    """kernels/ holds CUDA sources, never a Python package: bitsandbytes probes for a package named
+    `kernels` (kernels-community) and prints an error on every import when it finds ours."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = "import importlib.util; print(importlib.util.find_spec('kernels'))"
+    for cwd in (tmp_path, ROOT / "tests"):
+        done = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, env=env)
+        assert done.stdout.strip() == "None", f"from {cwd}: {done.stdout}{done.stderr}"
+    done = subprocess.run(
+        [sys.executable, "-c", "import harness, bitsandbytes; print(harness.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if done.returncode:
+        pytest.skip(f"harness and bitsandbytes are not both installed here: {done.stderr.strip().splitlines()[-1:]}")
+    # bitsandbytes says it could not load kernels-community's package wherever that is not
+    # installed; what it must never find is ours (then it fails on the missing get_kernel).
+    assert "from 'kernels'" not in done.stderr and str(ROOT / "kernels") not in done.stderr, done.stderr
