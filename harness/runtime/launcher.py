@@ -11,6 +11,7 @@ drop-in API's budget is a few microseconds per call.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -90,12 +91,28 @@ def load(
             return hit
         from cuda.core import Device, ObjectCode
 
-        device = Device(device_index)
-        device.set_current()  # the primary context, which PyTorch uses too
-        compiled = jit.compile_kernel(source_spec(source, device_arch(device_index), macros, label))
-        kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
+        with _current_context_kept():
+            Device(device_index).set_current()  # the primary context, which PyTorch uses too
+            compiled = jit.compile_kernel(source_spec(source, device_arch(device_index), macros, label))
+            kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
         loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds), kernel.handle)
         return loaded
+
+
+@contextlib.contextmanager
+def _current_context_kept():
+    """Give the calling thread back the CUDA context it had: loading a kernel for another GPU
+    must not move the caller's current device (PyTorch reads it from the current context)."""
+    driver = _driver or _bind_driver()
+    err, previous = driver.cuCtxGetCurrent()
+    if err:
+        raise RuntimeError(f"cuCtxGetCurrent failed: {_error_name(err)}")
+    try:
+        yield
+    finally:
+        (err,) = driver.cuCtxSetCurrent(previous)
+        if err:
+            raise RuntimeError(f"cuCtxSetCurrent could not restore the caller's context: {_error_name(err)}")
 
 
 # Per call, everything below is a lookup: an import statement in the launch path measured 0.5 µs
