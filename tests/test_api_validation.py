@@ -7,16 +7,17 @@ GPU, checks that nothing was launched, then runs a good case and checks its bits
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import harness
-from harness.correctness import cases
+from harness.correctness import call_battery, cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import DequantizeInputError, KernelLaunchError
-from harness.runtime import launcher
+from harness.runtime import api, dequantize_kernel, launcher
 
 # --- no GPU needed -----------------------------------------------------------------------------
 
@@ -102,12 +103,12 @@ def good(cuda, run_seed):
 
 def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
     launches = []
-    real_launch = launcher.launch
-    monkeypatch.setattr(launcher, "launch", lambda *a, **k: launches.append(a))
+    real_launch = dequantize_kernel.launch
+    monkeypatch.setattr(dequantize_kernel, "launch", lambda *a, **k: launches.append(a))
     with pytest.raises(DequantizeInputError, match=match):
         call()
     assert launches == [], "a rejected call must not launch anything"
-    monkeypatch.setattr(launcher, "launch", real_launch)
+    monkeypatch.setattr(dequantize_kernel, "launch", real_launch)
     # The context still works: a good case right after is bit-exact.
     case = good[True]
     got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
@@ -115,9 +116,26 @@ def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
     assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))
 
 
-def _bad_calls(good, cuda):
-    plain, nested = good[False], good[True]
-    qs, nqs = plain.quant_state(), nested.quant_state()
+BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, name):
+    """The battery of tests/test_call_rules.py on GPU tensors: the compiled path declines (it
+    launches nothing), the Python path names the rule before its launch."""
+    call, message = next((c, m) for n, c, m in call_battery.bad_calls(cuda) if n == name)
+    entry = api._host if api._host is not None else api._bind_host()
+    assert entry, "the GPU sessions run with the compiled host path"
+    assert entry(*call_battery.positional(call)) is None, "the compiled path took a bad call"
+    kwargs = call_battery.keywords(call)
+    _expect_rejected(lambda: api.dequantize_packed(**kwargs), re.escape(message), monkeypatch, cuda, good, bnb)
+
+
+def _quant_state_faults(good, cuda):
+    """What only a QuantState can get wrong, through the public drop-in."""
+    nested = good[True]
+    nqs = nested.quant_state()
 
     def with_state(state, **changes):
         s = copy.copy(state)
@@ -125,68 +143,17 @@ def _bad_calls(good, cuda):
             setattr(s, k, v)
         return s
 
-    def with_state2(**changes):
-        s2 = copy.copy(nqs.state2)
-        for k, v in changes.items():
-            setattr(s2, k, v)
-        return with_state(nqs, state2=s2)
-
-    out_ok = torch.empty(plain.shape, dtype=plain.dtype, device=cuda)
-    yield "A wrong dtype", lambda: harness.dequantize_4bit(plain.A.view(torch.int8), qs), "A must be uint8"
-    strided_A = torch.empty(plain.A.shape[0], 2, dtype=torch.uint8, device=cuda)[:, :1]
-    strided_A.copy_(plain.A)
-    yield "A not contiguous", lambda: harness.dequantize_4bit(strided_A, qs), "A must be contiguous"
-    yield "A too short", lambda: harness.dequantize_4bit(plain.A[:-1], qs), "bytes but shape"
-    yield "A on CPU", lambda: harness.dequantize_4bit(plain.A.cpu(), qs), "CUDA device"
-    yield "absmax short", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax[:-1])), "must hold"
-    yield "absmax fp16", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.half())), "float32"
-    yield "absmax on CPU", lambda: harness.dequantize_4bit(plain.A, with_state(qs, absmax=qs.absmax.cpu())), "same GPU"
-    yield (
-        "nested codes fp32",
-        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax.float())),
-        "uint8",
-    )
-    yield (
-        "nested codes short",
-        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, absmax=nqs.absmax[:-1])),
-        "must hold",
-    )
-    yield "code2 short", lambda: harness.dequantize_4bit(nested.A, with_state2(code=nqs.state2.code[:255])), "256"
-    yield (
-        "absmax2 short",
-        lambda: harness.dequantize_4bit(nested.A, with_state2(absmax=nqs.state2.absmax[:0])),
-        "must hold",
-    )
-    yield "blocksize2 not 2^k", lambda: harness.dequantize_4bit(nested.A, with_state2(blocksize=100)), "power of two"
-    yield "state2 fp16", lambda: harness.dequantize_4bit(nested.A, with_state2(dtype=torch.float16)), "float32"
-    yield "no offset", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=None)), "no offset"
-    yield (
-        "offset vector",
-        lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=torch.ones(2, device=cuda))),
-        "one value",
-    )
-    yield "out shape", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.view(-1)), "out.shape"
-    yield "out dtype", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.float()), "out.dtype"
-    yield "out on CPU", lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.cpu()), "same GPU"
-    yield (
-        "out not contiguous",
-        lambda: harness.dequantize_4bit(plain.A, qs, out=out_ok.t().contiguous().t()),
-        "contiguous",
-    )
-
-
-def _bad_ids():
-    return [
-        "A-dtype", "A-noncontig", "A-short", "A-cpu", "absmax-short", "absmax-fp16", "absmax-cpu",
-        "nested-codes-fp32", "nested-codes-short", "code2-short", "absmax2-short", "blocksize2",
-        "state2-fp16", "no-offset", "offset-vector", "out-shape", "out-dtype", "out-cpu", "out-noncontig",
-    ]  # fmt: skip
+    state2 = copy.copy(nqs.state2)
+    state2.dtype = torch.float16
+    yield "state2-fp16", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, state2=state2)), "float32"
+    yield "no-offset", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, offset=None)), "no offset"
+    yield "no-state2", lambda: harness.dequantize_4bit(nested.A, with_state(nqs, state2=None)), "state2 is None"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", range(len(_bad_ids())), ids=_bad_ids())
-def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, which):
-    _name, call, match = list(_bad_calls(good, cuda))[which]
+@pytest.mark.parametrize("which", ["state2-fp16", "no-offset", "no-state2"])
+def test_a_broken_quant_state_raises_before_launch(cuda, bnb, good, monkeypatch, which):
+    call, match = next((c, m) for n, c, m in _quant_state_faults(good, cuda) if n == which)
     _expect_rejected(call, match, monkeypatch, cuda, good, bnb)
 
 
@@ -198,7 +165,7 @@ def test_tensors_on_different_gpus_are_rejected(cuda, bnb, good, monkeypatch):
     case = good[False]
     qs = case.quant_state()
     qs.absmax = qs.absmax.to("cuda:1")
-    _expect_rejected(lambda: harness.dequantize_4bit(case.A, qs), "same GPU", monkeypatch, cuda, good, bnb)
+    _expect_rejected(lambda: harness.dequantize_4bit(case.A, qs), "same device", monkeypatch, cuda, good, bnb)
 
 
 @pytest.mark.gpu

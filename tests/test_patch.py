@@ -14,7 +14,7 @@ import torch
 import harness
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact
-from harness.errors import DequantizeInputError
+from harness.errors import DequantizeInputError, SettingError
 from harness.runtime import api, patch
 
 
@@ -263,27 +263,30 @@ def test_gemm_fallback_hands_what_ours_refuses_to_bitsandbytes_unchanged(monkeyp
     assert received == [args]
 
 
-def test_the_op_kernel_seam_reads_packed_storage_as_bytes_and_defers_odd_calls(monkeypatch):
+def test_the_op_kernel_seam_passes_packed_storage_through_and_defers_odd_calls(monkeypatch):
     seen = []
     monkeypatch.setattr(api, "dequantize_packed", lambda *a, **k: seen.append(a))
     received = []
     wrapper = patch._op_impl_wrapper(lambda *a: received.append(a))
-    packed = torch.zeros(8, 1, dtype=torch.bfloat16)  # FSDP-style quant_storage
+    packed = torch.zeros(8, 1, dtype=torch.bfloat16)  # FSDP-style quant_storage: ours reads its bytes
     out = torch.empty(4, 8, dtype=torch.float16)
     assert wrapper(packed, "absmax", 64, "nf4", torch.float16, out) is None
-    ((A, absmax, blocksize, quant_type, shape, dtype, given_out),) = seen
-    assert A.dtype == torch.uint8 and A.data_ptr() == packed.data_ptr() and A.numel() == 16
-    assert (absmax, blocksize, quant_type, shape, dtype, given_out) == (
-        "absmax",
-        64,
-        "nf4",
-        out.shape,
-        torch.float16,
-        out,
-    )
+    assert seen == [(packed, "absmax", 64, "nf4", out.shape, torch.float16, out)]
     assert not received
     wrapper(packed, "absmax", 64, "nf4", torch.float32, out)  # out's dtype disagrees: bitsandbytes decides
     assert len(seen) == 1 and received == [(packed, "absmax", 64, "nf4", torch.float32, out)]
+
+
+def test_a_misconfigured_setting_is_raised_not_hidden_behind_the_fallback(F, monkeypatch):
+    """An unknown NF4_HARNESS_HOST_LAUNCHER must stop the patched call: were it a ValueError, the
+    wrapper would take it for input ours refuses and send every call to bitsandbytes quietly."""
+    from harness import settings
+
+    monkeypatch.setenv(settings.HOST_LAUNCHER.name, "fast")
+    monkeypatch.setattr(api, "_host", None)  # bound afresh, as at a process' first call
+    A, qs = cases.quantize_weights((64, 96), "nf4", 64, False, torch.bfloat16, 0, device="cpu")
+    with harness.bitsandbytes_patched(), pytest.raises(SettingError, match="must be one of"):
+        F.dequantize_4bit(A, qs)
 
 
 def test_routed_calls_counts_per_seam_and_in_total(monkeypatch):
@@ -306,11 +309,11 @@ def test_our_registered_op_has_a_fake_implementation_for_tracing():
     from harness.runtime import torch_op
 
     with FakeTensorMode():
-        A = torch.empty(48, 1, dtype=torch.uint8)
+        A = torch.empty(48, 1, dtype=torch.uint8, device="cuda")
         got = torch.ops.nf4_harness.dequantize_4bit(
-            A, torch.empty(2), 64, "nf4", [8, 12], torch.bfloat16, None, None, 0, None, 0.0
+            A, torch.empty(2, device="cuda"), 64, "nf4", [8, 12], torch.bfloat16, None, None, 0, None, 0.0
         )
-    assert got.shape == (8, 12) and got.dtype == torch.bfloat16
+    assert got.shape == (8, 12) and got.dtype == torch.bfloat16 and got.device.type == "cuda"
     assert not torch_op.takes(torch.zeros(4, 1, dtype=torch.uint8), None), "CPU tensors stay with bitsandbytes"
 
 

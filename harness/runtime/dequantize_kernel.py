@@ -1,6 +1,8 @@
 """The dequantization kernel, everything about it in one place: its variants (one compiled module
-per quant type, output dtype, scale kind and tiling), its parameter layout, the launch plan (tiling,
-alignment, grid) and the launch itself on PyTorch's current stream.
+per quant type, output dtype, scale kind and tiling), its parameter layout, the rules its call's
+tensors obey, the launch plan (tiling, alignment, grid) and the launch itself on PyTorch's
+current stream. The Python path (``api``) and the compiled host path (``host_launcher``) both
+read the rules and the plan from here.
 
 Importable without PyTorch (the compile check lists the variants); PyTorch is bound at the first
 launch.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from harness.runtime import jit, launcher
+from harness.runtime.operands import BYTES, OUT, Count, Operand
 
 QUANT_TYPES = ("nf4", "fp4")
 OUT_DTYPES = ("fp16", "bf16", "fp32")
@@ -46,6 +49,29 @@ class KernelArgs(NamedTuple):
 
 # How launcher packs each KernelArgs field.
 KERNEL_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32")
+
+# -- the call's rules ---------------------------------------------------------------------------
+# The quantities a call's sizes are written in: n output elements, n / blocksize scales, one
+# second-level scale per blocksize2 scale codes, two nibbles a byte, 256 codes of an 8-bit code book.
+QUANTITIES = ("one", "two", "codes8", "n", "nblocks", "blocksize2")
+
+
+def quantities(n: int, blocksize: int, blocksize2: int) -> dict[str, int]:
+    return {"one": 1, "two": 2, "codes8": 256, "n": n, "nblocks": -(-n // blocksize), "blocksize2": blocksize2}
+
+
+# Packed data is read as bytes whatever dtype holds it, as bitsandbytes reads it (quant_storage).
+PACKED = Operand("A", "A", BYTES, Count("n", "two", at_least=True), min_dims=1)
+PLAIN_OPERANDS = (PACKED, Operand("absmax", "absmax", "float32", Count("nblocks")))
+NESTED_OPERANDS = (
+    PACKED,
+    Operand("quant_state.absmax (nested codes)", "absmax", "uint8", Count("nblocks")),
+    Operand("quant_state.state2.code", "code2", "float32", Count("codes8")),
+    Operand("quant_state.state2.absmax", "absmax2", "float32", Count("nblocks", "blocksize2")),
+)
+# A nested offset is a Python number or this tensor (read by the kernel, no sync).
+OFFSET = Operand("quant_state.offset", "offset", "float32", Count("one"))
+OUTPUT = Operand("out", "out", OUT, None)
 
 # Tilings (threads per block, chunks per thread), picked by tensor size. Both tiles are 1024
 # chunks; measured on an H100 (kernels/NOTES.md): 512 x 2 is fastest on large weights, 256 x 4
@@ -120,24 +146,44 @@ def spec_for(variant: KernelVariant, arch: str) -> jit.CompileSpec:
 # -- the launch plan ----------------------------------------------------------------------------
 # The kernel loops over tiles, so a capped grid is still complete; 2^31 - 1 is the CUDA limit.
 MAX_GRID = (1 << 31) - 1
+OUT_ALIGN = 16  # bytes: one 16-byte store per lane
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One launch configuration loaded on one GPU, with the sizes its grid is cut by."""
+class Geometry:
+    """How one variant cuts its grid: no GPU needed to know it."""
 
-    kernel: launcher.LoadedKernel
     threads: int
     tile_elems: int  # elements one block writes on the vectorized path
     chunk: int  # elements one thread writes with one 16-byte store
 
+    @property
+    def packed_align(self) -> int:
+        """Bytes of packed data one thread loads at once on the vectorized path."""
+        return self.chunk // 2
+
     def grid_and_path(self, packed_ptr: int, out_ptr: int, n: int) -> tuple[int, int]:
-        """(blocks, vectorized flag). 16-byte stores need a 16-byte aligned output and the packed
-        loads chunk / 2 bytes; one tile per block (measured fastest, NOTES.md), or one element
-        per thread on the scalar path a misaligned call takes."""
-        if packed_ptr % (self.chunk // 2) == 0 and out_ptr % 16 == 0:
+        """(blocks, vectorized flag). 16-byte stores need a 16-byte aligned output and aligned
+        packed loads; one tile per block (measured fastest, NOTES.md), or one element per thread
+        on the scalar path a misaligned call takes. The compiled host path computes the same
+        from the same four numbers (a test compares the two)."""
+        if packed_ptr % self.packed_align == 0 and out_ptr % OUT_ALIGN == 0:
             return max(1, min(-(-n // self.tile_elems), MAX_GRID)), 1
         return max(1, min(-(-n // self.threads), MAX_GRID)), 0
+
+
+def geometry(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int, int]) -> Geometry:
+    variant = KernelVariant(quant_type, out_dtype, nested, *tiling)
+    chunk = variant.chunk_elems
+    return Geometry(variant.threads, variant.threads * variant.unroll * chunk, chunk)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch configuration loaded on one GPU."""
+
+    kernel: launcher.LoadedKernel
+    geometry: Geometry
 
 
 _plans: dict[tuple, Plan] = {}
@@ -154,9 +200,17 @@ def plan_tiled(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int,
     if (hit := _plans.get(key)) is None:
         variant = KernelVariant(quant_type, out_dtype, nested, *tiling)
         loaded = launcher.load(variant.name, SOURCE, ENTRY, device_index, KERNEL_PARAMS, variant.macros())
-        chunk = variant.chunk_elems
-        hit = _plans[key] = Plan(loaded, variant.threads, variant.threads * variant.unroll * chunk, chunk)
+        hit = _plans[key] = Plan(loaded, geometry(quant_type, out_dtype, nested, tiling))
     return hit
+
+
+def kernel_args(
+    g: Geometry, scales: tuple[int, int, int, int, int, float], out_ptr: int, n: int, blocksize: int, blocksize2: int
+) -> tuple[int, KernelArgs]:
+    """(grid, arguments) of one launch. ``scales`` holds the first six KernelArgs (packed data,
+    absmax, code2, absmax2, offset pointer and value)."""
+    grid, vectorized = g.grid_and_path(scales[0], out_ptr, n)
+    return grid, KernelArgs(*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
 
 
 # -- the launch on PyTorch's current stream -------------------------------------------------------
@@ -191,12 +245,12 @@ def launch(
     the first six KernelArgs (packed data, absmax, code2, absmax2, offset pointer and value);
     the inputs are valid (the caller checked them)."""
     p = plan(quant_type, out_dtype, nested, n, device_index)
-    grid, vectorized = p.grid_and_path(scales[0], out_ptr, n)
-    args = (*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
+    grid, args = kernel_args(p.geometry, scales, out_ptr, n, blocksize, blocksize2)
+    threads = p.geometry.threads
     current_device, stream, torch = _torch_hooks()
     if device_index != current_device():
         with torch.cuda.device(device_index):
-            launcher.launch(p.kernel, grid, p.threads, stream(device_index), args)
+            launcher.launch(p.kernel, grid, threads, stream(device_index), args)
         return
     bound = getattr(_bound, "devices", None)
     if bound is None or device_index not in bound:
@@ -204,4 +258,4 @@ def launch(
         # switch makes the primary context current (the same one the kernel was loaded into).
         torch.cuda.set_device(device_index)
         _bound.devices = (bound or frozenset()) | {device_index}
-    launcher.launch(p.kernel, grid, p.threads, stream(device_index), args)
+    launcher.launch(p.kernel, grid, threads, stream(device_index), args)

@@ -3,8 +3,11 @@
 // GPU whose primary context is current, contiguous, the right dtypes and sizes). Anything else
 // returns None, and the Python path (api.py), which owns every error message, takes the call: this
 // file never raises for bad input. host_launcher.py builds it with torch.utils.cpp_extension and
-// hands it every fact it needs (quant types, output dtypes, block sizes, the tiling threshold, the
-// plans); what is left here is the logic of api.dequantize_packed and dequantize_kernel.launch.
+// hands it every fact it needs: the operand rules (dequantize_kernel's tables, read through the
+// interpreter below), quant types, output dtypes, block sizes, the tiling threshold and each
+// plan's geometry. What is left here is parsing the call's arguments, computing its quantities
+// (the same names as dequantize_kernel.quantities) and the grid formula of Geometry.grid_and_path;
+// tests/test_call_rules.py holds both paths to the same decisions and launches.
 //
 // Why compiled: on an H100 host the same steps in Python cost ~16 us a call, of which ~4 us are
 // tensor property reads, ~3 us PyTorch's Python allocation path and ~2 us the cuda-python
@@ -17,6 +20,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -34,16 +38,31 @@ using LaunchKernelFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, u
                                unsigned shared_bytes, void* stream, void** params, void** extra);
 using CtxGetCurrentFn = int (*)(void** ctx);
 
-// The kernel's parameters (dequantize_kernel.KernelArgs, in order); each gets one 8-byte slot.
-constexpr const char* kParamKinds[] = {"ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32"};
-constexpr int kParams = sizeof(kParamKinds) / sizeof(kParamKinds[0]);
+// The entry point's arguments, in order; an operand rule names its tensor by index into the first six.
+constexpr const char* kArgs[] = {"A",     "absmax", "code2",     "absmax2",    "offset",    "out",
+                                 "shape", "dtype",  "blocksize", "blocksize2", "quant_type"};
+constexpr int kTensorArgs = 6;
+// The quantities a call's sizes are written in (dequantize_kernel.QUANTITIES, checked at configure).
+constexpr const char* kQuantities[] = {"one", "two", "codes8", "n", "nblocks", "blocksize2"};
+constexpr int kNumQuantities = sizeof(kQuantities) / sizeof(kQuantities[0]);
+constexpr int kParams = 11;  // dequantize_kernel.KernelArgs, one 8-byte slot each
 constexpr int kMaxDims = 16;
+
+// One operands.Operand, as operands.encoded() hands it over.
+struct Rule {
+  int arg = 0;
+  enum Kind { kBytes, kFixed, kOut } kind = kFixed;
+  at::ScalarType dtype = at::kByte;
+  int num = 0, den = 0;
+  bool at_least = false, same_shape = false;
+  int64_t min_dims = 0;
+};
 
 struct Plan {
   std::atomic<bool> ready{false};
   void* function = nullptr;  // the loaded kernel (CUkernel handle)
   void* context = nullptr;   // the primary context it was loaded for
-  int64_t threads = 0, tile_elems = 0, chunk = 0;
+  int64_t threads = 0, tile_elems = 0, packed_align = 1, out_align = 1;
 };
 
 // Everything one configure() call bound: each returned entry point carries its own, so two copies
@@ -52,12 +71,16 @@ struct Config {
   LaunchKernelFn launch = nullptr;
   CtxGetCurrentFn ctx_get_current = nullptr;
   PyObject* raw_stream = nullptr;    // torch._C._cuda_getCurrentRawStream
-  PyObject* resolve_plan = nullptr;  // (quant, dtype, nested, tiling, device) -> (function, context, threads, tile, chunk)
+  PyObject* resolve_plan = nullptr;  // (quant, dtype, nested, tiling, device) -> (function, context, threads, tile,
+                                     //  packed_align, out_align)
   PyObject* subclass_ok = nullptr;   // (type) -> bool: may a Tensor subclass be read directly?
   std::vector<PyObject*> quant_types;  // str
   std::vector<PyObject*> out_dtypes;   // torch.dtype
-  uint64_t blocksize_mask = 0;         // bit k: blocksize 2^k accepted
-  int64_t large_min_elements = 0;      // tiling 1 from this many elements on
+  std::vector<Rule> plain, nested;     // the operands of each scale kind
+  Rule offset, out;
+  c10::DispatchKey backend = c10::DispatchKey::CUDA;  // CPU only where tests bind it to host tensors
+  uint64_t blocksize_mask = 0;                         // bit k: blocksize 2^k accepted
+  int64_t large_min_elements = 0;                      // tiling 1 from this many elements on
   int64_t max_grid = 0;
   int devices = 0;
   std::unique_ptr<Plan[]> plans;
@@ -77,9 +100,9 @@ constexpr const char* kCapsule = "nf4_harness_host.Config";
 void free_config(PyObject* capsule) { delete static_cast<Config*>(PyCapsule_GetPointer(capsule, kCapsule)); }
 
 // A tensor the kernel may read directly: a Tensor, a Parameter, or a subclass Python vouched for,
-// backed by dense strided CUDA memory with no view bits and no wrapper (vmap, grad transforms,
-// functionalization, fake tensors) between it and its storage.
-const at::Tensor* plain_cuda(Config* config, PyObject* obj) {
+// backed by dense strided memory of the bound backend with no view bits and no wrapper (vmap, grad
+// transforms, functionalization, fake tensors) between it and its storage.
+const at::Tensor* plain_tensor(Config* config, PyObject* obj) {
   if (!THPVariable_CheckExact(obj)) {
     if (!THPVariable_Check(obj)) return nullptr;
     PyTypeObject* type = Py_TYPE(obj);
@@ -109,12 +132,27 @@ const at::Tensor* plain_cuda(Config* config, PyObject* obj) {
                                             c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
                                             c10::DispatchKey::ZeroTensor});
   const c10::DispatchKeySet keys = t.key_set();
-  if (!keys.has(c10::DispatchKey::CUDA) || !(keys & wrapped).empty()) return nullptr;
+  if (!keys.has(config->backend) || !(keys & wrapped).empty()) return nullptr;
   return &t;
 }
 
-bool fits(const at::Tensor& t, int64_t device, at::ScalarType dtype, int64_t numel) {
-  return t.get_device() == device && t.scalar_type() == dtype && t.is_contiguous() && (numel < 0 || t.numel() == numel);
+// operands.check, as a yes/no: the tensor of args[rule.arg] obeys the rule for this call.
+const at::Tensor* obeys(Config* config, const Rule& rule, PyObject* const* args, const at::Device& device,
+                        const int64_t* q, at::ScalarType dtype, const int64_t* sizes, int64_t ndim) {
+  const at::Tensor* t = plain_tensor(config, args[rule.arg]);
+  if (t == nullptr || t->device() != device || t->dim() < rule.min_dims || !t->is_contiguous()) return nullptr;
+  if (rule.kind == Rule::kFixed && t->scalar_type() != rule.dtype) return nullptr;
+  if (rule.kind == Rule::kOut && t->scalar_type() != dtype) return nullptr;
+  if (rule.same_shape) {
+    if (t->dim() != ndim) return nullptr;
+    for (int64_t i = 0; i < ndim; ++i) {
+      if (t->sizes()[i] != sizes[i]) return nullptr;
+    }
+    return t;
+  }
+  const int64_t need = q[rule.num] / q[rule.den] + (q[rule.num] % q[rule.den] != 0);
+  const int64_t have = rule.kind == Rule::kBytes ? t->numel() * static_cast<int64_t>(t->element_size()) : t->numel();
+  return (rule.at_least ? have >= need : have == need) ? t : nullptr;
 }
 
 // Index of obj in a registered list, compared by identity (dtype objects are singletons) or, for
@@ -136,7 +174,11 @@ bool exact_int(PyObject* obj, int64_t* value) {
   if (!PyLong_CheckExact(obj)) return false;
   int overflow = 0;
   *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  return !overflow && !(*value == -1 && PyErr_Occurred());
+  if (overflow || (*value == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
 }
 
 bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
@@ -144,141 +186,172 @@ bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 int log2_of(int64_t v) { return __builtin_ctzll(static_cast<unsigned long long>(v)); }
 
 // The plan of one variant on one GPU, resolved through Python (which compiles and loads it) once.
-const Plan* plan_for(Config* config, int quant, int dtype, int nested, int tiling, int device) {
-  const size_t index = (((static_cast<size_t>(device) * config->quant_types.size() + quant) * config->out_dtypes.size() +
-                         dtype) * 2 + nested) * 2 + tiling;
+const Plan* plan_for(Config* config, int quant, int dtype, int nested, int tiling, int64_t device) {
+  const size_t slot = static_cast<size_t>(std::max<int64_t>(device, 0));
+  const size_t index =
+      (((slot * config->quant_types.size() + quant) * config->out_dtypes.size() + dtype) * 2 + nested) * 2 + tiling;
   Plan& plan = config->plans[index];
   if (plan.ready.load(std::memory_order_acquire)) return &plan;
   // Resolved without holding the mutex (Python may switch threads while it compiles); two threads
   // resolving the same plan get the same answer from dequantize_kernel's memo.
-  PyObject* r = PyObject_CallFunction(config->resolve_plan, "iiiii", quant, dtype, nested, tiling, device);
+  PyObject* r = PyObject_CallFunction(config->resolve_plan, "iiiiL", quant, dtype, nested, tiling,
+                                      static_cast<long long>(device));
   if (r == nullptr) throw python_error();
   unsigned long long function = 0, context = 0;
-  long long threads = 0, tile = 0, chunk = 0;
-  const bool parsed = PyArg_ParseTuple(r, "KKLLL", &function, &context, &threads, &tile, &chunk);
+  long long threads = 0, tile = 0, packed_align = 0, out_align = 0;
+  const bool parsed = PyArg_ParseTuple(r, "KKLLLL", &function, &context, &threads, &tile, &packed_align, &out_align);
   Py_DECREF(r);
   if (!parsed) throw python_error();
+  if (threads <= 0 || tile <= 0 || packed_align <= 0 || out_align <= 0) {
+    PyErr_SetString(PyExc_ValueError, "resolve_plan returned a non-positive size");
+    throw python_error();
+  }
   std::lock_guard<std::mutex> guard(config->mutex);
   if (!plan.ready.load(std::memory_order_relaxed)) {
     plan.function = reinterpret_cast<void*>(function);
     plan.context = reinterpret_cast<void*>(context);
     plan.threads = threads;
     plan.tile_elems = tile;
-    plan.chunk = chunk;
+    plan.packed_align = packed_align;
+    plan.out_align = out_align;
     plan.ready.store(true, std::memory_order_release);
   }
   return &plan;
 }
+
+// One call, checked and planned: what the launch needs once the output exists.
+struct Launch {
+  int quant = 0, dtype_index = 0, nested = 0, tiling = 0;
+  int64_t device = -1, n = 0, blocksize = 0, blocksize2 = 1;
+  at::ScalarType dtype = at::kFloat;
+  int64_t sizes[kMaxDims] = {};
+  int64_t ndim = 0;
+  const at::Tensor* A = nullptr;
+  const at::Tensor* out = nullptr;  // null: allocate
+  uint64_t absmax_ptr = 0, code2_ptr = 0, absmax2_ptr = 0, offset_ptr = 0;
+  float offset_value = 0.0f;
+  const Plan* plan = nullptr;
+  int64_t grid = 0;
+  uint64_t slots[kParams] = {};
+};
+
+// Checks a call against the rules and resolves its plan; false where the Python path must take it.
+bool prepare(Config* config, PyObject* const* args, Py_ssize_t nargs, Launch* L) {
+  if (nargs != static_cast<Py_ssize_t>(sizeof(kArgs) / sizeof(kArgs[0]))) return false;
+  if (!exact_int(args[8], &L->blocksize) || !power_of_two(L->blocksize) ||
+      !((config->blocksize_mask >> log2_of(L->blocksize)) & 1))
+    return false;
+  L->quant = index_of(config->quant_types, args[10]);
+  L->dtype_index = THPDtype_Check(args[7]) ? index_of(config->out_dtypes, args[7]) : -1;
+  if (L->quant < 0 || L->dtype_index < 0) return false;
+  L->dtype = reinterpret_cast<THPDtype*>(args[7])->scalar_type;
+
+  // A fixes the call's device; every operand rule then compares against it.
+  L->A = plain_tensor(config, args[0]);
+  if (L->A == nullptr) return false;
+  const at::Device device = L->A->device();
+  L->device = L->A->get_device();
+  if (config->backend == c10::DispatchKey::CUDA && (L->device < 0 || L->device >= config->devices)) return false;
+
+  // The shape: a tuple (torch.Size included) or list of non-negative ints whose product fits.
+  PyObject* shape_obj = args[6];
+  if (!PyTuple_Check(shape_obj) && !PyList_Check(shape_obj)) return false;
+  L->ndim = PySequence_Fast_GET_SIZE(shape_obj);
+  if (L->ndim > kMaxDims) return false;
+  PyObject** dims = PySequence_Fast_ITEMS(shape_obj);
+  L->n = 1;
+  for (int64_t i = 0; i < L->ndim; ++i) {
+    if (!exact_int(dims[i], &L->sizes[i]) || L->sizes[i] < 0 || __builtin_mul_overflow(L->n, L->sizes[i], &L->n))
+      return false;
+  }
+  if (L->n == 0) return false;  // nothing to launch: Python allocates it
+
+  L->nested = args[2] != Py_None;
+  if (L->nested && (!exact_int(args[9], &L->blocksize2) || !power_of_two(L->blocksize2))) return false;
+  // dequantize_kernel.quantities, in kQuantities' order.
+  const int64_t q[kNumQuantities] = {1, 2, 256, L->n, L->n / L->blocksize + (L->n % L->blocksize != 0),
+                                     L->blocksize2};
+  const std::vector<Rule>& rules = L->nested ? config->nested : config->plain;
+  const at::Tensor* operands[kTensorArgs] = {};
+  for (const Rule& rule : rules) {
+    operands[rule.arg] = obeys(config, rule, args, device, q, L->dtype, L->sizes, L->ndim);
+    if (operands[rule.arg] == nullptr) return false;
+  }
+  if (L->nested) {
+    // The offset as a Python number packed as float32, or a tensor the offset rule admits. Other
+    // forms (host tensors, other dtypes) go through Python, which converts them.
+    PyObject* offset_obj = args[config->offset.arg];
+    if (PyFloat_CheckExact(offset_obj) || PyLong_CheckExact(offset_obj)) {
+      const double value = PyFloat_CheckExact(offset_obj) ? PyFloat_AS_DOUBLE(offset_obj) : PyLong_AsDouble(offset_obj);
+      if (value == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+      L->offset_value = static_cast<float>(value);
+      if (std::isinf(L->offset_value) && !std::isinf(value)) return false;  // struct.pack refuses it
+    } else {
+      const at::Tensor* offset = obeys(config, config->offset, args, device, q, L->dtype, L->sizes, L->ndim);
+      if (offset == nullptr) return false;
+      L->offset_ptr = reinterpret_cast<uint64_t>(offset->const_data_ptr());
+    }
+    L->code2_ptr = reinterpret_cast<uint64_t>(operands[2]->const_data_ptr());
+    L->absmax2_ptr = reinterpret_cast<uint64_t>(operands[3]->const_data_ptr());
+  }
+  L->absmax_ptr = reinterpret_cast<uint64_t>(operands[1]->const_data_ptr());
+  if (args[config->out.arg] != Py_None) {
+    L->out = obeys(config, config->out, args, device, q, L->dtype, L->sizes, L->ndim);
+    if (L->out == nullptr) return false;
+  }
+  L->tiling = L->n >= config->large_min_elements;
+  L->plan = plan_for(config, L->quant, L->dtype_index, L->nested, L->tiling, L->device);
+  return true;
+}
+
+// The grid and the kernel's arguments once the output exists (dequantize_kernel.kernel_args).
+void finish(Launch* L, uint64_t out_ptr, int64_t max_grid) {
+  const uint64_t A_ptr = reinterpret_cast<uint64_t>(L->A->const_data_ptr());
+  const Plan* plan = L->plan;
+  const bool vectorized = A_ptr % plan->packed_align == 0 && out_ptr % plan->out_align == 0;
+  const int64_t per_block = vectorized ? plan->tile_elems : plan->threads;
+  L->grid = std::max<int64_t>(1, std::min<int64_t>(L->n / per_block + (L->n % per_block != 0), max_grid));
+  const int32_t small[3] = {log2_of(L->blocksize), log2_of(L->blocksize2), vectorized ? 1 : 0};
+  L->slots[0] = A_ptr;
+  L->slots[1] = L->absmax_ptr;
+  L->slots[2] = L->code2_ptr;
+  L->slots[3] = L->absmax2_ptr;
+  L->slots[4] = L->offset_ptr;
+  std::memcpy(&L->slots[5], &L->offset_value, sizeof(float));
+  L->slots[6] = out_ptr;
+  std::memcpy(&L->slots[7], &L->n, sizeof(int64_t));
+  for (int i = 0; i < 3; ++i) std::memcpy(&L->slots[8 + i], &small[i], sizeof(int32_t));
+}
+
+at::Tensor allocate(const Launch& L) {
+  return at::empty(c10::IntArrayRef(L.sizes, L.ndim), L.A->options().dtype(L.dtype));
+}
+
+Config* config_of(PyObject* capsule) { return static_cast<Config*>(PyCapsule_GetPointer(capsule, kCapsule)); }
 
 // dequantize(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
 // -> the output tensor; None where the Python path must take the call; an int (the CUresult)
 // where the driver refused the launch.
 PyObject* dequantize(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  auto* config = static_cast<Config*>(PyCapsule_GetPointer(capsule, kCapsule));
+  Config* config = config_of(capsule);
   if (config == nullptr) return nullptr;
-  if (nargs != 11) Py_RETURN_NONE;
-  PyObject *A_obj = args[0], *absmax_obj = args[1], *code2_obj = args[2], *absmax2_obj = args[3];
-  PyObject *offset_obj = args[4], *out_obj = args[5], *shape_obj = args[6];
-
-  int64_t blocksize = 0;
-  if (!exact_int(args[8], &blocksize) || !power_of_two(blocksize) || !((config->blocksize_mask >> log2_of(blocksize)) & 1)) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const int quant = index_of(config->quant_types, args[10]);
-  const int dtype_index = THPDtype_Check(args[7]) ? index_of(config->out_dtypes, args[7]) : -1;
-  if (quant < 0 || dtype_index < 0) Py_RETURN_NONE;
-  const at::ScalarType dtype = reinterpret_cast<THPDtype*>(args[7])->scalar_type;
-
-  const at::Tensor* A = plain_cuda(config, A_obj);
-  if (A == nullptr || A->scalar_type() != at::kByte || A->dim() == 0 || !A->is_contiguous()) Py_RETURN_NONE;
-  const int64_t device = A->get_device();
-  if (device < 0 || device >= config->devices) Py_RETURN_NONE;
-
-  // The shape: a tuple (torch.Size included) or list of non-negative ints whose product fits.
-  if (!PyTuple_Check(shape_obj) && !PyList_Check(shape_obj)) Py_RETURN_NONE;
-  const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(shape_obj);
-  if (ndim > kMaxDims) Py_RETURN_NONE;
-  PyObject** dims = PySequence_Fast_ITEMS(shape_obj);
-  int64_t sizes[kMaxDims];
-  int64_t n = 1;
-  for (Py_ssize_t i = 0; i < ndim; ++i) {
-    if (!exact_int(dims[i], &sizes[i]) || sizes[i] < 0 || __builtin_mul_overflow(n, sizes[i], &n)) {
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-  }
-  if (n == 0 || A->numel() < n / 2 + n % 2) Py_RETURN_NONE;  // nothing to launch: Python allocates it
-  const int64_t nblocks = n / blocksize + (n % blocksize != 0);
-
-  const bool nested = code2_obj != Py_None;
-  uint64_t absmax_ptr = 0, code2_ptr = 0, absmax2_ptr = 0, offset_ptr = 0;
-  float offset_value = 0.0f;
-  int64_t blocksize2 = 1;
-  const at::Tensor* absmax = plain_cuda(config, absmax_obj);
-  if (absmax == nullptr) Py_RETURN_NONE;
-  if (nested) {
-    const at::Tensor* code2 = plain_cuda(config, code2_obj);
-    const at::Tensor* absmax2 = absmax2_obj == Py_None ? nullptr : plain_cuda(config, absmax2_obj);
-    if (!exact_int(args[9], &blocksize2) || !power_of_two(blocksize2)) {
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-    if (code2 == nullptr || absmax2 == nullptr || !fits(*absmax, device, at::kByte, nblocks) ||
-        !fits(*code2, device, at::kFloat, 256) ||
-        !fits(*absmax2, device, at::kFloat, nblocks / blocksize2 + (nblocks % blocksize2 != 0)))
-      Py_RETURN_NONE;
-    // The offset as the Python path takes it: a float32 one-element tensor on this GPU (read by the
-    // kernel) or a Python number packed as float32. Other forms (host tensors, other dtypes) go
-    // through Python, which converts them.
-    if (PyFloat_CheckExact(offset_obj) || PyLong_CheckExact(offset_obj)) {
-      const double value = PyFloat_CheckExact(offset_obj) ? PyFloat_AS_DOUBLE(offset_obj) : PyLong_AsDouble(offset_obj);
-      if (value == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-      }
-      offset_value = static_cast<float>(value);
-      if (std::isinf(offset_value) && !std::isinf(value)) Py_RETURN_NONE;  // struct.pack refuses it
-    } else {
-      const at::Tensor* offset = plain_cuda(config, offset_obj);
-      if (offset == nullptr || !fits(*offset, device, at::kFloat, 1)) Py_RETURN_NONE;
-      offset_ptr = reinterpret_cast<uint64_t>(offset->const_data_ptr());
-    }
-    code2_ptr = reinterpret_cast<uint64_t>(code2->const_data_ptr());
-    absmax2_ptr = reinterpret_cast<uint64_t>(absmax2->const_data_ptr());
-  } else if (!fits(*absmax, device, at::kFloat, nblocks)) {
-    Py_RETURN_NONE;
-  }
-  absmax_ptr = reinterpret_cast<uint64_t>(absmax->const_data_ptr());
-
-  const at::Tensor* out = nullptr;
-  if (out_obj != Py_None) {
-    out = plain_cuda(config, out_obj);
-    if (out == nullptr || !fits(*out, device, dtype, -1) || out->dim() != ndim) Py_RETURN_NONE;
-    for (Py_ssize_t i = 0; i < ndim; ++i) {
-      if (out->sizes()[i] != sizes[i]) Py_RETURN_NONE;
-    }
-  }
-
-  const Plan* plan = plan_for(config, quant, dtype_index, nested, n >= config->large_min_elements, static_cast<int>(device));
+  Launch L;
+  if (!prepare(config, args, nargs, &L)) Py_RETURN_NONE;
   void* current = nullptr;
-  if (config->ctx_get_current(&current) != 0 || current != plan->context) Py_RETURN_NONE;  // another GPU is current
+  if (config->ctx_get_current(&current) != 0 || current != L.plan->context) Py_RETURN_NONE;  // another GPU is current
 
   at::Tensor allocated;
-  if (out == nullptr) {
-    allocated = at::empty(c10::IntArrayRef(sizes, ndim), A->options().dtype(dtype));
-    out = &allocated;
+  if (L.out == nullptr) {
+    allocated = allocate(L);
+    L.out = &allocated;
   }
-  const uint64_t A_ptr = reinterpret_cast<uint64_t>(A->const_data_ptr());
-  const uint64_t out_ptr = reinterpret_cast<uint64_t>(out->data_ptr());
-  // 16-byte stores need a 16-byte aligned output and chunk/2-byte aligned packed loads; else the
-  // scalar path, one element per thread (dequantize_kernel.Plan.grid_and_path).
-  const bool vectorized = A_ptr % (plan->chunk / 2) == 0 && out_ptr % 16 == 0;
-  const int64_t per_block = vectorized ? plan->tile_elems : plan->threads;
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(n / per_block + (n % per_block != 0), config->max_grid));
+  finish(&L, reinterpret_cast<uint64_t>(L.out->data_ptr()), config->max_grid);
 
-  PyObject* device_obj = PyLong_FromLongLong(device);
+  PyObject* device_obj = PyLong_FromLongLong(L.device);
   if (device_obj == nullptr) throw python_error();
   PyObject* stream_obj = PyObject_CallOneArg(config->raw_stream, device_obj);
   Py_DECREF(device_obj);
@@ -287,28 +360,43 @@ PyObject* dequantize(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs)
   Py_DECREF(stream_obj);
   if (PyErr_Occurred()) throw python_error();
 
-  uint64_t slots[kParams] = {};
-  const int32_t small[3] = {log2_of(blocksize), log2_of(blocksize2), vectorized ? 1 : 0};
-  slots[0] = A_ptr;
-  slots[1] = absmax_ptr;
-  slots[2] = code2_ptr;
-  slots[3] = absmax2_ptr;
-  slots[4] = offset_ptr;
-  std::memcpy(&slots[5], &offset_value, sizeof(float));
-  slots[6] = out_ptr;
-  std::memcpy(&slots[7], &n, sizeof(int64_t));
-  for (int i = 0; i < 3; ++i) std::memcpy(&slots[8 + i], &small[i], sizeof(int32_t));
   void* params[kParams];
-  for (int i = 0; i < kParams; ++i) params[i] = &slots[i];
-
-  const int err = config->launch(plan->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(plan->threads),
-                                 1, 1, 0, reinterpret_cast<void*>(stream), params, nullptr);
+  for (int i = 0; i < kParams; ++i) params[i] = &L.slots[i];
+  const int err = config->launch(L.plan->function, static_cast<unsigned>(L.grid), 1, 1,
+                                 static_cast<unsigned>(L.plan->threads), 1, 1, 0, reinterpret_cast<void*>(stream), params,
+                                 nullptr);
   if (err != 0) return PyLong_FromLong(err);
-  if (out_obj != Py_None) {
-    Py_INCREF(out_obj);
-    return out_obj;
+  if (args[config->out.arg] != Py_None) {
+    Py_INCREF(args[config->out.arg]);
+    return args[config->out.arg];
   }
   return THPVariable_Wrap(std::move(allocated));
+  END_HANDLE_TH_ERRORS
+}
+
+// describe(entry, *args): the launch dequantize would make, without the context check or the launch:
+// ((quant, dtype, nested, tiling, device), grid, threads, slots), or None where it declines.
+PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs < 1 || !PyCFunction_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "describe: the first argument must be an entry point from configure()");
+    return nullptr;
+  }
+  Config* config = config_of(PyCFunction_GET_SELF(args[0]));
+  if (config == nullptr) return nullptr;
+  Launch L;
+  if (!prepare(config, args + 1, nargs - 1, &L)) Py_RETURN_NONE;
+  at::Tensor allocated;
+  if (L.out == nullptr) {
+    allocated = allocate(L);
+    L.out = &allocated;
+  }
+  finish(&L, reinterpret_cast<uint64_t>(L.out->data_ptr()), config->max_grid);
+  PyObject* slots = PyTuple_New(kParams);
+  if (slots == nullptr) return nullptr;
+  for (int i = 0; i < kParams; ++i) PyTuple_SET_ITEM(slots, i, PyLong_FromUnsignedLongLong(L.slots[i]));
+  return Py_BuildValue("(iiiiL)LLN", L.quant, L.dtype_index, L.nested, L.tiling, static_cast<long long>(L.device),
+                       static_cast<long long>(L.grid), static_cast<long long>(L.plan->threads), slots);
   END_HANDLE_TH_ERRORS
 }
 
@@ -317,24 +405,100 @@ PyMethodDef dequantize_def = {
     "dequantize(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type): the output, "
     "None (the Python path takes the call) or a CUresult (the driver refused the launch)."};
 
+// One row of operands.encoded() into a Rule; false (a Python error set) where it is malformed.
+bool parse_rule(PyObject* row, Rule* rule) {
+  PyObject* dtype = nullptr;
+  int at_least = 0, same_shape = 0;
+  long long min_dims = 0;
+  if (!PyArg_ParseTuple(row, "iOiipLp", &rule->arg, &dtype, &rule->num, &rule->den, &at_least, &min_dims,
+                        &same_shape))
+    return false;
+  if (rule->arg < 0 || rule->arg >= kTensorArgs || rule->num < 0 || rule->num >= kNumQuantities || rule->den < 0 ||
+      rule->den >= kNumQuantities) {
+    PyErr_SetString(PyExc_ValueError, "configure: an operand rule names an unknown argument or quantity");
+    return false;
+  }
+  if (dtype == Py_None) {
+    rule->kind = Rule::kBytes;
+  } else if (THPDtype_Check(dtype)) {
+    rule->kind = Rule::kFixed;
+    rule->dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  } else if (PyUnicode_Check(dtype) && PyUnicode_CompareWithASCIIString(dtype, "out") == 0) {
+    rule->kind = Rule::kOut;
+  } else {
+    PyErr_SetString(PyExc_TypeError, "configure: an operand's dtype must be a torch.dtype, None or 'out'");
+    return false;
+  }
+  rule->at_least = at_least;
+  rule->same_shape = same_shape;
+  rule->min_dims = min_dims;
+  return true;
+}
+
+bool parse_rules(PyObject* rows, std::vector<Rule>* rules) {
+  if (!PyTuple_Check(rows)) {
+    PyErr_SetString(PyExc_TypeError, "configure: operand rules must be a tuple");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rows); ++i) {
+    Rule rule;
+    if (!parse_rule(PyTuple_GET_ITEM(rows, i), &rule)) return false;
+    rules->push_back(rule);
+  }
+  return true;
+}
+
 // configure(launch_kernel, ctx_get_current, raw_stream, resolve_plan, subclass_ok, quant_types,
-//           out_dtypes, blocksizes, large_min_elements, max_grid, devices) -> a dequantize entry
-//           point bound to these facts
+//           out_dtypes, blocksizes, large_min_elements, max_grid, devices, quantities, plain, nested,
+//           offset, out, backend) -> a dequantize entry point bound to these facts
 PyObject* configure(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   unsigned long long launch = 0, ctx_get_current = 0;
-  PyObject *raw_stream, *resolve_plan, *subclass_ok, *quant_types, *out_dtypes, *blocksizes;
+  PyObject *raw_stream, *resolve_plan, *subclass_ok, *quant_types, *out_dtypes, *blocksizes, *quantities;
+  PyObject *plain, *nested, *offset, *out;
+  const char* backend = nullptr;
   long long large_min = 0, max_grid = 0;
   int devices = 0;
-  if (!PyArg_ParseTuple(args, "KKOOOO!O!O!LLi", &launch, &ctx_get_current, &raw_stream, &resolve_plan, &subclass_ok,
-                        &PyTuple_Type, &quant_types, &PyTuple_Type, &out_dtypes, &PyTuple_Type, &blocksizes,
-                        &large_min, &max_grid, &devices))
+  if (!PyArg_ParseTuple(args, "KKOOOO!O!O!LLiO!OOOOs", &launch, &ctx_get_current, &raw_stream, &resolve_plan,
+                        &subclass_ok, &PyTuple_Type, &quant_types, &PyTuple_Type, &out_dtypes, &PyTuple_Type,
+                        &blocksizes, &large_min, &max_grid, &devices, &PyTuple_Type, &quantities, &plain, &nested,
+                        &offset, &out, &backend))
     return nullptr;
   if (launch == 0 || ctx_get_current == 0 || devices < 0) {
     PyErr_SetString(PyExc_ValueError, "configure: null driver entry point or negative device count");
     return nullptr;
   }
+  bool same = PyTuple_GET_SIZE(quantities) == kNumQuantities;
+  for (int i = 0; same && i < kNumQuantities; ++i) {
+    PyObject* name = PyTuple_GET_ITEM(quantities, i);
+    same = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, kQuantities[i]) == 0;
+  }
+  if (!same) {
+    PyErr_SetString(PyExc_ValueError, "configure: the quantities differ from the ones this file computes");
+    return nullptr;
+  }
   auto next = std::make_unique<Config>();
+  if (std::strcmp(backend, "cuda") == 0) {
+    next->backend = c10::DispatchKey::CUDA;
+  } else if (std::strcmp(backend, "cpu") == 0) {
+    next->backend = c10::DispatchKey::CPU;
+  } else {
+    PyErr_SetString(PyExc_ValueError, "configure: backend must be 'cuda' or 'cpu'");
+    return nullptr;
+  }
+  if (!parse_rules(plain, &next->plain) || !parse_rules(nested, &next->nested) || !parse_rule(offset, &next->offset) ||
+      !parse_rule(out, &next->out))
+    return nullptr;
+  // prepare() reads A's device first and the pointers of these arguments after the checks.
+  const std::pair<const std::vector<Rule>*, unsigned> coverage[] = {{&next->plain, 0b0011u}, {&next->nested, 0b1111u}};
+  for (const auto& [rules, needed] : coverage) {
+    unsigned covered = 0;
+    for (const Rule& rule : *rules) covered |= 1u << rule.arg;
+    if (rules->empty() || (*rules)[0].arg != 0 || (covered & needed) != needed) {
+      PyErr_SetString(PyExc_ValueError, "configure: an operand table must start with A and cover its scale tensors");
+      return nullptr;
+    }
+  }
   next->launch = reinterpret_cast<LaunchKernelFn>(launch);
   next->ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(ctx_get_current);
   for (PyObject* f : {raw_stream, resolve_plan, subclass_ok}) Py_INCREF(f);
@@ -366,7 +530,8 @@ PyObject* configure(PyObject* /*module*/, PyObject* args) {
   next->large_min_elements = large_min;
   next->max_grid = max_grid;
   next->devices = devices;
-  next->plans.reset(new Plan[static_cast<size_t>(devices) * next->quant_types.size() * next->out_dtypes.size() * 4]);
+  const size_t slots = static_cast<size_t>(std::max(devices, 1));
+  next->plans.reset(new Plan[slots * next->quant_types.size() * next->out_dtypes.size() * 4]);
   PyObject* capsule = PyCapsule_New(next.get(), kCapsule, free_config);
   if (capsule == nullptr) return nullptr;
   next.release();  // the capsule owns it now
@@ -376,17 +541,20 @@ PyObject* configure(PyObject* /*module*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* param_kinds(PyObject* /*module*/, PyObject* /*unused*/) {
-  PyObject* kinds = PyTuple_New(kParams);
-  if (kinds == nullptr) return nullptr;
-  for (int i = 0; i < kParams; ++i) PyTuple_SET_ITEM(kinds, i, PyUnicode_FromString(kParamKinds[i]));
-  return kinds;
+PyObject* entry_args(PyObject* /*module*/, PyObject* /*unused*/) {
+  constexpr int count = sizeof(kArgs) / sizeof(kArgs[0]);
+  PyObject* names = PyTuple_New(count);
+  if (names == nullptr) return nullptr;
+  for (int i = 0; i < count; ++i) PyTuple_SET_ITEM(names, i, PyUnicode_FromString(kArgs[i]));
+  return names;
 }
 
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "Bind the driver, PyTorch's stream lookup and the kernel's facts; returns the dequantize entry point."},
-    {"param_kinds", param_kinds, METH_NOARGS, "The kernel parameter kinds this file packs, in order."},
+     "Bind the driver, PyTorch's stream lookup, the operand rules and the kernel's facts; returns the entry point."},
+    {"describe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(describe)), METH_FASTCALL,
+     "describe(entry, *args): the launch the entry point would make for these arguments, or None."},
+    {"entry_args", entry_args, METH_NOARGS, "The entry point's argument names, in order."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

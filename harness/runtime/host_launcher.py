@@ -30,20 +30,18 @@ from pathlib import Path
 
 from harness import settings
 from harness.errors import HostLauncherUnavailable
-from harness.runtime import dequantize_kernel, jit, launcher
+from harness.runtime import dequantize_kernel, jit, launcher, operands
 
 SOURCE = Path(__file__).with_name("host_launcher.cpp")
 MODULE_NAME = "nf4_harness_host"
-MODES = ("auto", "compiled", "python")
+MODES = settings.HOST_LAUNCHER.choices
 # -Wall: a failed build's log (which cpp_extension's error carries) shows every warning too.
 CFLAGS = ("-O2", "-Wall")
 
 
 def mode() -> str:
-    value = settings.HOST_LAUNCHER.get()
-    if value not in MODES:
-        raise ValueError(f"{settings.HOST_LAUNCHER.name} must be one of {MODES}, got {value!r}")
-    return value
+    """The chosen mode; a value outside MODES raises SettingError (never a silent fallback)."""
+    return settings.HOST_LAUNCHER.get()
 
 
 def build_dir() -> Path:
@@ -109,7 +107,7 @@ def _driver_entry(name: str) -> int:
     return int(address)
 
 
-def _resolve_plan(quant: int, dtype: int, nested: int, tiling: int, device: int) -> tuple[int, int, int, int, int]:
+def _resolve_plan(quant: int, dtype: int, nested: int, tiling: int, device: int) -> tuple[int, ...]:
     """What the compiled path needs of one plan, loading it on first use."""
     p = dequantize_kernel.plan_tiled(
         dequantize_kernel.QUANT_TYPES[quant],
@@ -118,7 +116,12 @@ def _resolve_plan(quant: int, dtype: int, nested: int, tiling: int, device: int)
         dequantize_kernel.TILINGS[tiling],
         device,
     )
-    return int(p.kernel.handle), launcher.primary_context(device), p.threads, p.tile_elems, p.chunk
+    return (int(p.kernel.handle), launcher.primary_context(device), *plan_geometry(p.geometry))
+
+
+def plan_geometry(g: dequantize_kernel.Geometry) -> tuple[int, int, int, int]:
+    """A plan's geometry as the compiled path reads it: threads, tile, packed and output alignment."""
+    return g.threads, g.tile_elems, g.packed_align, dequantize_kernel.OUT_ALIGN
 
 
 def subclass_ok(cls: type) -> bool:
@@ -136,15 +139,33 @@ def subclass_ok(cls: type) -> bool:
     )
 
 
+# The entry point's tensor arguments, in the order host_launcher.cpp takes them (checked at bind).
+ENTRY_ARGS = ("A", "absmax", "code2", "absmax2", "offset", "out")
+
+
 def configure(
-    module, resolve_plan=_resolve_plan, *, launch_kernel=None, ctx_get_current=None, raw_stream=None, devices=None
+    module,
+    resolve_plan=_resolve_plan,
+    *,
+    launch_kernel=None,
+    ctx_get_current=None,
+    raw_stream=None,
+    devices=None,
+    backend="cuda",
 ):
     """The module's dequantize entry point bound to the driver entry points, PyTorch's stream
-    lookup and the kernel's facts (each bound entry point has its own plans). Tests replace the
-    plan resolver, or bind inert driver entry points where there is no GPU."""
+    lookup, the operand rules and the kernel's facts (each bound entry point has its own plans).
+    Tests replace the plan resolver, or bind inert driver entry points and the ``cpu`` backend
+    where there is no GPU."""
     import torch
 
     from harness.runtime.api import DTYPES
+
+    if module.entry_args()[: len(ENTRY_ARGS)] != ENTRY_ARGS:
+        raise HostLauncherUnavailable(f"host_launcher.cpp takes {module.entry_args()}, expected {ENTRY_ARGS} first")
+
+    def rules(*table):
+        return operands.encoded(table, ENTRY_ARGS, dequantize_kernel.QUANTITIES, lambda name: getattr(torch, name))
 
     return module.configure(
         launch_kernel or _driver_entry("cuLaunchKernel"),
@@ -158,6 +179,11 @@ def configure(
         dequantize_kernel.LARGE_MIN_ELEMENTS,
         dequantize_kernel.MAX_GRID,
         torch.cuda.device_count() if devices is None else devices,
+        dequantize_kernel.QUANTITIES,
+        rules(*dequantize_kernel.PLAIN_OPERANDS),
+        rules(*dequantize_kernel.NESTED_OPERANDS),
+        *rules(dequantize_kernel.OFFSET, dequantize_kernel.OUTPUT),
+        backend,
     )
 
 

@@ -30,8 +30,9 @@ bitsandbytes' function. Without CUDA, bitsandbytes does not load ``backends.cuda
 the ``functional`` seam is patched.
 
 Anything our kernel does not take (CPU tensors, a non-contiguous input, ...) goes to the
-original unchanged: ours validates everything before it launches, so a refusal has touched
-nothing.
+original unchanged: ours validates everything before it launches, so a refusal (a
+``DequantizeInputError``) has touched nothing. Any other error (a misconfigured setting, a
+toolchain that cannot build, a refused launch) is raised, never hidden behind a fallback.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from harness.errors import DequantizeInputError
 
 # The bitsandbytes release the patch was proven against (bit-exact, end to end).
 PROVEN_BITSANDBYTES = "0.50.2"
@@ -124,11 +127,11 @@ def _functional_wrapper(original):
             # Traced: our registered op when the call is one it takes, judged on what tracing
             # knows (device, dtypes, block size); bitsandbytes' own ops otherwise.
             if quant_state is not None and torch_op.takes(A, quant_state):
-                return torch_op.call(A, quant_state, out)
+                return torch_op.call(A, quant_state, out=out)
             return original(A, quant_state, absmax, out, blocksize, quant_type)
         try:
             result = api.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
-        except ValueError:
+        except DequantizeInputError:
             pass  # not something our kernel takes (nothing was launched): bitsandbytes decides
         else:
             _count("functional", True)
@@ -152,10 +155,10 @@ def _gemm_fallback_wrapper(original):
     ):
         try:
             if absmax_8bit is None:
-                B_dq = api.dequantize_packed(_as_bytes(B), absmax, blocksize, quant_type, shapeB, A.dtype)
+                B_dq = api.dequantize_packed(B, absmax, blocksize, quant_type, shapeB, A.dtype)
             else:
                 B_dq = api.dequantize_packed(
-                    _as_bytes(B),
+                    B,
                     absmax_8bit,
                     blocksize,
                     quant_type,
@@ -166,7 +169,7 @@ def _gemm_fallback_wrapper(original):
                     blocksize2=GEMM_FALLBACK_BLOCKSIZE2,
                     offset=absmax_offset,
                 )
-        except ValueError:
+        except DequantizeInputError:
             _count("gemm_4bit fallback", False)
             return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
         _count("gemm_4bit fallback", True)
@@ -182,9 +185,9 @@ def _op_impl_wrapper(original):
     def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):
         try:
             if out.dtype != dtype:
-                raise ValueError("out's dtype differs: bitsandbytes' kernel decides")
-            api.dequantize_packed(_as_bytes(A), absmax, blocksize, quant_type, out.shape, dtype, out)
-        except ValueError:
+                raise DequantizeInputError("out's dtype differs: bitsandbytes' kernel decides")
+            api.dequantize_packed(A, absmax, blocksize, quant_type, out.shape, dtype, out)
+        except DequantizeInputError:
             _count("dequantize_4bit op", False)
             return original(A, absmax, blocksize, quant_type, dtype, out)
         _count("dequantize_4bit op", True)
@@ -198,16 +201,6 @@ _WRAPPERS = {
     "gemm_4bit fallback": _gemm_fallback_wrapper,
     "dequantize_4bit op": _op_impl_wrapper,
 }
-
-
-def _as_bytes(A):
-    """bitsandbytes' kernels read packed data through a raw pointer whatever ``quant_storage``
-    dtype holds it (FSDP's bf16, say); ours reads the same bytes as uint8."""
-    import torch
-
-    if isinstance(A, torch.Tensor) and A.dtype != torch.uint8 and A.is_contiguous() and A.dim() > 0:
-        return A.view(torch.uint8)
-    return A
 
 
 def _in_patched_packages(module_name: str) -> bool:

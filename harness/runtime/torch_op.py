@@ -1,9 +1,10 @@
 """Our kernel as registered PyTorch ops, so ``torch.compile``d graphs run it.
 
-TorchDynamo cannot trace the launcher (it passes raw pointers to the driver), so the patched
-``dequantize_4bit`` calls these ops while it is being traced: the graph holds one opaque
-``nf4_harness::dequantize_4bit`` node (nested decode fused, as in eager mode), whose fake
-implementation gives the compiler the output's shape and dtype.
+TorchDynamo cannot trace the launcher (it passes raw pointers to the driver), so
+``harness.dequantize_4bit`` and the patched bitsandbytes function call these ops while they are
+being traced: the graph holds one opaque ``nf4_harness::dequantize_4bit`` node (nested decode
+fused, as in eager mode), whose fake implementation checks the call against the same rules as
+eager mode (``api.check_call``, metadata only) and gives the compiler the output's shape and dtype.
 
 The ops are registered once per process: a second copy of ``harness`` loaded beside this one
 (the perf gate's A/B process holds two) finds them registered and calls the first copy's.
@@ -36,7 +37,27 @@ def dequantize_4bit(
 def _dequantize_4bit_fake(
     A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value
 ):
+    _check(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
     return A.new_empty(shape, dtype=dtype)
+
+
+def _check(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
+    """Bad input fails while the graph is traced, with eager mode's DequantizeInputError."""
+    if offset is not None and offset.device.type == "cpu":
+        offset = offset_value  # a host offset is read with .item() at run time; a fake has no value
+    nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
+    api.check_call(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+
+
+def _nested(code2, absmax2, blocksize2, offset, offset_value) -> dict:
+    if code2 is None:
+        return {}
+    return {
+        "code2": code2,
+        "absmax2": absmax2,
+        "blocksize2": blocksize2,
+        "offset": offset if offset is not None else offset_value,
+    }
 
 
 def dequantize_4bit_out(
@@ -59,7 +80,7 @@ def dequantize_4bit_out(
 def _dequantize_4bit_out_fake(
     A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out
 ):
-    return None
+    _check(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
 
 
 def _register() -> None:
@@ -75,23 +96,17 @@ _register()
 
 
 def _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
-    nested = {}
-    if code2 is not None:
-        nested = {
-            "code2": code2,
-            "absmax2": absmax2,
-            "blocksize2": blocksize2,
-            "offset": offset if offset is not None else offset_value,
-        }
+    nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
     result = api.dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
     patch._count("compiled op", True)
     return result
 
 
 def takes(A, quant_state) -> bool:
-    """Whether a traced call is one our kernel takes, judged on what tracing knows; anything
-    else stays with bitsandbytes' own traced ops."""
-    if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dtype == torch.uint8 and A.dim() > 0):
+    """Whether the patched bitsandbytes function, being traced, sends a call to our op: judged on
+    its configuration (the same tables as eager mode); everything else about the call is checked
+    by the op's fake implementation. Anything else stays with bitsandbytes' own traced ops."""
+    if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dim() > 0):
         return False
     if quant_state.dtype not in api.DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
         return False
@@ -103,8 +118,15 @@ def takes(A, quant_state) -> bool:
     return True
 
 
-def call(A, quant_state, out):
-    """The traced equivalent of ``api.dequantize_4bit(A, quant_state, out=out)``."""
+def call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"):
+    """The traced equivalent of ``api.dequantize_4bit``, same arguments."""
+    if quant_state is None:
+        if absmax is None or out is None:
+            api._fail("dequantize_4bit requires both absmax and out when quant_state is not provided")
+        blocksize = 64 if blocksize is None else blocksize
+        args = (A, absmax, blocksize, quant_type, list(out.shape), out.dtype, None, None, 0, None, 0.0)
+        torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
+        return api.transposed_like_bitsandbytes(A, out)
     offset, offset_value, code2, absmax2, blocksize2 = None, 0.0, None, None, 0
     if quant_state.nested:
         state2 = quant_state.state2
@@ -131,5 +153,4 @@ def call(A, quant_state, out):
     else:
         torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
         result = out
-    # bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed.
-    return result.t() if A.shape[0] == 1 else result
+    return api.transposed_like_bitsandbytes(A, result)

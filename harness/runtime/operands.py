@@ -1,0 +1,114 @@
+"""What a call's tensors must be, stated once as data: each op has a table of ``Operand`` rules.
+
+Two paths read a table. The Python path (:func:`check`) raises ``DequantizeInputError`` naming the
+operand and the rule it breaks. The compiled host path (``host_launcher.cpp``) is handed the same
+table when it is bound and declines any call that breaks a rule, so the Python path then takes
+the call and names the rule. A test runs one battery of bad calls through both paths on the CPU.
+
+Sizes are written as ``Count(num, den)``: ceil(num / den) elements, where ``num`` and ``den``
+name quantities of the call that each op defines (the element count ``n``, the number of
+scale blocks, a constant such as 2 nibbles a byte). Importable without PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import DequantizeInputError
+
+BYTES = "bytes"  # any dtype, counted in bytes: packed data in whatever quant_storage holds it
+OUT = "out"  # the call's output dtype
+
+
+@dataclass(frozen=True)
+class Count:
+    """The operand holds ceil(num / den) elements (bytes for a ``BYTES`` operand), or at least that."""
+
+    num: str
+    den: str = "one"
+    at_least: bool = False
+
+    def required(self, quantities: Mapping[str, int]) -> int:
+        return -(-quantities[self.num] // quantities[self.den])
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One tensor of a call: dense, on the call's device, of one dtype, of a size the call fixes."""
+
+    label: str  # how messages name it
+    arg: str  # the call's argument that holds it
+    dtype: str  # a torch dtype's name ("uint8"), BYTES or OUT
+    count: Count | None  # None: its shape is the call's shape (an output)
+    min_dims: int = 0
+
+
+def _fail(message: str):
+    raise DequantizeInputError(message)
+
+
+def check(
+    operand: Operand,
+    t: Any,
+    device: Any,
+    quantities: Mapping[str, int],
+    dtype: Any = None,
+    shape: Any = None,
+) -> None:
+    """Raise DequantizeInputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
+    ``torch.device``; ``dtype`` and ``shape`` are the call's output dtype and shape."""
+    import torch
+
+    label = operand.label
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+    if operand.count is None and t.shape != shape:  # bitsandbytes' own messages for ``out``
+        _fail(f"Expected {label}.shape == {tuple(shape)}, got {t.shape}")
+    if operand.dtype == OUT:
+        if t.dtype != dtype:
+            _fail(f"Expected {label}.dtype == {dtype}, got {t.dtype}")
+    elif operand.dtype != BYTES and t.dtype != getattr(torch, operand.dtype):
+        _fail(f"{label} must be torch.{operand.dtype}, got {t.dtype}")
+    if t.device != device:
+        _fail(f"{label} is on {t.device}, but A is on {device}; all tensors must be on the same device")
+    if t.dim() < operand.min_dims:
+        _fail(f"{label} must have at least {operand.min_dims} dimension")
+    if not t.is_contiguous():
+        _fail(f"{label} must be contiguous")
+    if operand.count is not None:
+        need = operand.count.required(quantities)
+        if operand.dtype == BYTES:
+            have = t.numel() * t.element_size()
+            if have < need if operand.count.at_least else have != need:
+                _fail(f"{label} holds {have} bytes but shape {tuple(shape)} needs {need}")
+        elif t.numel() < need if operand.count.at_least else t.numel() != need:
+            _fail(f"{label} must hold {need} elements for this shape and block size, got {t.numel()}")
+
+
+def encoded(operands: tuple[Operand, ...], args: tuple[str, ...], quantities: tuple[str, ...], dtypes) -> tuple:
+    """A table as the compiled host path reads it: per operand (argument index, dtype: a
+    torch.dtype, None for BYTES or the string "out", numerator and denominator quantity indices,
+    at-least flag, minimum dims, same-shape-as-the-call flag). ``dtypes`` maps a name to a
+    torch.dtype."""
+    rows = []
+    for o in operands:
+        named = (o.count.num, o.count.den) if o.count else ()
+        unknown = ({o.arg} - set(args)) | (set(named) - set(quantities))
+        if unknown:
+            raise ValueError(f"operand {o.label!r} names {sorted(unknown)}, which the compiled path does not know")
+        dtype = None if o.dtype == BYTES else OUT if o.dtype == OUT else dtypes(o.dtype)
+        count = o.count or Count("one")
+        rows.append(
+            (
+                args.index(o.arg),
+                dtype,
+                quantities.index(count.num),
+                quantities.index(count.den),
+                count.at_least,
+                o.min_dims,
+                o.count is None,
+            )
+        )
+    return tuple(rows)

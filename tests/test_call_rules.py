@@ -1,0 +1,200 @@
+"""One source for the call's rules: the same battery through every path that validates.
+
+No GPU needed. The compiled host path is bound to host tensors (its ``cpu`` backend) with inert
+driver entry points, and asked what it would launch (``describe``) instead of launching; the
+Python path is asked the same (``api.check_call`` + ``api.launch_of``). For every valid call both
+must choose the same variant, tiling, grid, block and kernel arguments, slot for slot; for every
+bad call the Python path must name the broken rule and the compiled path must decline. The
+registered op's fake implementation (what ``torch.compile`` traces) runs the battery on fake CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from harness.correctness import call_battery
+from harness.errors import DequantizeInputError
+from harness.runtime import api, dequantize_kernel, host_launcher, torch_op
+from harness.runtime.launcher import ArgPacker
+
+VALID = dict(call_battery.valid_calls())
+BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
+
+
+@pytest.fixture(scope="module")
+def module():
+    """The extension, built once per cache directory (about 20 s on two cores)."""
+    return host_launcher.build()
+
+
+def _geometry_only(quant, dtype, nested, tiling, device):
+    """The plan resolver with no GPU: the geometry the real one returns, no kernel or context."""
+    g = dequantize_kernel.geometry(
+        dequantize_kernel.QUANT_TYPES[quant],
+        dequantize_kernel.OUT_DTYPES[dtype],
+        bool(nested),
+        dequantize_kernel.TILINGS[tiling],
+    )
+    return (0, 0, *host_launcher.plan_geometry(g))
+
+
+@pytest.fixture(scope="module")
+def entry(module):
+    # Inert driver entry points: describe() never calls them.
+    return host_launcher.configure(
+        module, _geometry_only, launch_kernel=1, ctx_get_current=1, raw_stream=int, devices=0, backend="cpu"
+    )
+
+
+def _compiled(module, entry, call):
+    got = module.describe(entry, *call_battery.positional(call))
+    if got is None:
+        return None
+    (quant, dtype, nested, tiling, device), grid, threads, slots = got
+    key = (
+        dequantize_kernel.QUANT_TYPES[quant],
+        dequantize_kernel.OUT_DTYPES[dtype],
+        bool(nested),
+        dequantize_kernel.TILINGS[tiling],
+        device,
+    )
+    return key, grid, threads, list(slots)
+
+
+def _python(call, out):
+    checked = api.check_call(**call_battery.keywords(call), backend="cpu")
+    (*variant, device), grid, threads, args = api.launch_of(checked, out)
+    packer = ArgPacker(dequantize_kernel.KERNEL_PARAMS)
+    packer.pack(args)
+    host = -1 if device is None else device  # a host tensor's device index, as PyTorch's C++ gives it
+    return (*variant, host), grid, threads, packer._buf.tolist()
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_both_paths_make_the_same_launch_for_a_valid_call(module, entry, name):
+    call = VALID[name]
+    compiled = _compiled(module, entry, call)
+    assert compiled is not None, "the compiled path declined a valid call"
+    # Where each path allocates its own output, the Python path plans into the compiled one's address.
+    out = call["out"] if call["out"] is not None else _AtAddress(compiled[3][6])
+    assert compiled == _python(call, out)
+
+
+class _AtAddress:
+    """Stands in for an output tensor at a given address (only ``data_ptr`` is read)."""
+
+    def __init__(self, address: int):
+        self._address = address
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def test_the_battery_covers_both_tilings_and_both_store_paths(module, entry):
+    launches = [_compiled(module, entry, call) for call in VALID.values()]
+    assert {key[3] for key, *_ in launches} == set(dequantize_kernel.TILINGS)
+    assert {slots[10] for *_, slots in launches} == {0, 1}  # the vectorized flag
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_call_is_named_by_the_python_path_and_declined_by_the_compiled_path(module, entry, name):
+    call, message = BAD[name]
+    with pytest.raises(DequantizeInputError, match=_literal(message)):
+        api.check_call(**call_battery.keywords(call), backend="cpu")
+    assert _compiled(module, entry, call) is None
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_call_fails_tracing_with_the_same_error(name):
+    """The registered op's fake implementation, on fake CUDA tensors, raises what eager mode raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        call, message = _on_fake_cuda(mode, BAD[name][0]), BAD[name][1]
+        message = message.replace("A must be on a", "A must be on a CUDA")
+        with pytest.raises(DequantizeInputError, match=_literal(message)):
+            torch_op._check(**_op_arguments(call))
+
+
+def test_a_valid_call_traces():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for call in (VALID["nf4-torch.bfloat16-nested"], VALID["storage-torch.bfloat16"], VALID["offset-number"]):
+            torch_op._check(**_op_arguments(_on_fake_cuda(mode, call)))
+
+
+def _on_fake_cuda(mode, call):
+    """The call with every host tensor as a fake CUDA tensor of the same shape, strides and dtype
+    (meta tensors stay where they are: they are the battery's 'elsewhere')."""
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cuda")
+
+    faked = {k: fake(v) for k, v in call.items()}
+    if isinstance(call["A"], torch.Tensor) and call["A"].device.type == "meta":
+        faked["A"] = call["A"].to("cpu")  # the battery's A elsewhere: for a CUDA call that is the host
+    return faked
+
+
+def _op_arguments(call: dict) -> dict:
+    """The registered op's arguments for a battery call (``torch_op.call``'s packing)."""
+    offset = call["offset"]
+    return dict(
+        A=call["A"],
+        absmax=call["absmax"],
+        blocksize=call["blocksize"],
+        quant_type=call["quant_type"],
+        shape=call["shape"],
+        dtype=call["dtype"],
+        out=call["out"],
+        code2=call["code2"],
+        absmax2=call["absmax2"],
+        blocksize2=call["blocksize2"],
+        offset=offset if isinstance(offset, torch.Tensor) else None,
+        offset_value=offset if not isinstance(offset, torch.Tensor) else 0.0,
+    )
+
+
+def _literal(message: str) -> str:
+    return re.escape(message)
+
+
+def test_configure_refuses_a_table_the_compiled_path_cannot_read(module):
+    from harness.runtime.operands import BYTES, Count, Operand
+
+    bad = Operand("absmax", "absmax", "float32", Count("no-such-quantity"))
+    with pytest.raises(ValueError, match="no-such-quantity"):
+        host_launcher.operands.encoded((bad,), host_launcher.ENTRY_ARGS, dequantize_kernel.QUANTITIES, None)
+    only_A = host_launcher.operands.encoded(
+        (Operand("A", "A", BYTES, Count("n", "two", at_least=True)),),
+        host_launcher.ENTRY_ARGS,
+        dequantize_kernel.QUANTITIES,
+        None,
+    )
+    with pytest.raises(ValueError, match="cover its scale tensors"):
+        module.configure(
+            1, 1, int, _geometry_only, host_launcher.subclass_ok, ("nf4",), (torch.float16,), (64,), 1, 1, 0,
+            dequantize_kernel.QUANTITIES, only_A, only_A, *only_A, *only_A, "cpu",
+        )  # fmt: skip
+
+
+def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
+    """torch.compile(fullgraph=True) of a function calling harness.dequantize_4bit: TorchDynamo
+    must trace through it (a graph break would raise Unsupported) into the registered op, whose
+    fake implementation then rejects host tensors with eager mode's message."""
+    import harness
+
+    A = torch.zeros(48, 1, dtype=torch.uint8)
+    fields = dict(absmax=torch.ones(2), shape=torch.Size([8, 12]), dtype=torch.bfloat16, blocksize=64)
+    state = type("State", (), fields | dict(quant_type="nf4", nested=False, state2=None, offset=None))()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"DequantizeInputError\('A must be on a CUDA device") as info:
+        torch.compile(lambda a: harness.dequantize_4bit(a, state), backend="eager", fullgraph=True)(A)
+    assert not isinstance(info.value, torch._dynamo.exc.Unsupported)

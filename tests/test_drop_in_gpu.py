@@ -1,0 +1,156 @@
+"""The drop-in as a user meets it: it leaves the caller's device and context alone, compiles in one
+graph, and takes packed data in every storage dtype bitsandbytes takes. GPU only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+from harness.correctness import cases
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.runtime import api, dequantize_kernel, launcher
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _current_context() -> int:
+    from cuda.bindings import driver
+
+    err, ctx = driver.cuCtxGetCurrent()
+    assert not err
+    return int(ctx)
+
+
+@pytest.mark.gpu
+def test_loading_a_kernel_leaves_the_callers_context_as_it_was(cuda):
+    """Loading makes the GPU's primary context current for the load only: the caller's context
+    (here none, as in a fresh thread) is given back; PyTorch reads the current device from it."""
+    seen = {}
+
+    def fresh_thread():
+        try:
+            seen["before"] = _current_context()
+            variant = dequantize_kernel.KernelVariant("nf4", "fp16", False)
+            label = f"{variant.name}-probe-{uuid.uuid4().hex}"  # never loaded before: a real load
+            launcher.load(label, dequantize_kernel.SOURCE, dequantize_kernel.ENTRY, cuda.index,
+                          dequantize_kernel.KERNEL_PARAMS, variant.macros())  # fmt: skip
+            seen["after"] = _current_context()
+        except BaseException as exc:  # reported in the main thread
+            seen["error"] = exc
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["before"] == 0 and seen["after"] == 0, seen
+
+
+_OTHER_GPU_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, bitsandbytes.functional as F, harness
+    from harness.correctness import cases
+    route = sys.argv[1]
+    torch.cuda.set_device(0)
+    A, qs = cases.quantize_weights((1024, 320), "nf4", 64, True, torch.bfloat16, 0, device="cuda:1")
+    expected = F.dequantize_4bit(A, qs)
+    torch.cuda.set_device(0)
+    if route == "patched":
+        harness.patch_bitsandbytes()
+        got = F.dequantize_4bit(A, qs)
+    else:
+        got = harness.dequantize_4bit(A, qs)
+    device_after = torch.cuda.current_device()
+    torch.cuda.synchronize(1)
+    same = torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    print(f"current={device_after} got_on={got.device} same_bits={same}")
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("route", ["drop-in", "patched"])
+def test_the_first_call_on_another_gpu_keeps_the_current_device(cuda, route):
+    """A fresh process (nothing loaded yet), current device 0, tensors on cuda:1: the call must
+    leave the current device at 0, as bitsandbytes' own call does."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_GPU_SCRIPT, route], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "current=0 got_on=cuda:1 same_bits=True", done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_the_public_drop_in_compiles_in_one_graph(cuda, bnb, run_seed, nested):
+    A, qs = cases.quantize_weights((256, 320), "nf4", 64, nested, torch.bfloat16, run_seed, device=cuda)
+    expected = bnb.dequantize_4bit(A, qs)
+    torch._dynamo.reset()
+    got = torch.compile(lambda a: harness.dequantize_4bit(a, qs), fullgraph=True)(A)
+    assert_bit_exact(got, expected, "compiled drop-in")
+    out = poison_(torch.empty_like(expected))
+    torch.compile(lambda a, o: harness.dequantize_4bit(a, qs, out=o), fullgraph=True)(A, out)
+    assert_bit_exact(out, expected, "compiled drop-in, out=")
+    if not nested:  # the absmax/out form, without a quant state
+        out = poison_(torch.empty_like(expected))
+        absmax = qs.absmax
+        compiled = torch.compile(
+            lambda a, o: harness.dequantize_4bit(a, absmax=absmax, out=o, blocksize=64, quant_type="nf4"),
+            fullgraph=True,
+        )
+        compiled(A, out)
+        assert_bit_exact(out, expected, "compiled drop-in, absmax and out")
+
+
+@pytest.mark.gpu
+def test_a_bad_call_fails_compilation_with_the_input_error(cuda, run_seed):
+    A, qs = cases.quantize_weights((256, 320), "nf4", 64, False, torch.bfloat16, run_seed, device=cuda)
+    qs.absmax = qs.absmax[:-1]
+    torch._dynamo.reset()
+    # TorchDynamo wraps what the op's fake implementation raised; the message is eager mode's.
+    with pytest.raises(Exception, match=r"DequantizeInputError\('absmax must hold"):
+        torch.compile(lambda a: harness.dequantize_4bit(a, qs), fullgraph=True)(A)
+
+
+STORAGES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", STORAGES, ids=str)
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_packed_data_in_any_quant_storage_dtype(cuda, bnb, run_seed, storage, nested, path):
+    """bitsandbytes reads packed data through a raw pointer whatever dtype holds it (FSDP keeps it
+    in bf16); the drop-in takes what bitsandbytes takes, bit for bit, on both host paths."""
+    g = cases.seeded_generator(run_seed, cuda)
+    w = torch.randn(192, 320, generator=g, device=cuda).to(torch.bfloat16)
+    A, qs = bnb.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="fp4", quant_storage=storage)
+    assert A.dtype == storage
+    expected = bnb.dequantize_4bit(A, qs)
+    out = poison_(torch.empty_like(expected))
+    if path == "python":
+        with api.python_path_only():
+            harness.dequantize_4bit(A, qs, out=out)
+            allocated = harness.dequantize_4bit(A, qs)
+    else:
+        entry = api._host if api._host is not None else api._bind_host()
+        fields, nested_args = api.quant_state_args(qs)
+        assert entry, "the GPU sessions run with the compiled host path"
+        absmax, blocksize, quant_type, shape, dtype = fields
+        n2 = nested_args or dict.fromkeys(("code2", "absmax2", "blocksize2", "offset"))
+        taken = entry(A, absmax, n2["code2"], n2["absmax2"], n2["offset"], out, shape, dtype, blocksize,
+                      n2["blocksize2"], quant_type)  # fmt: skip
+        assert taken is out, "the compiled path declined packed data in another storage dtype"
+        allocated = harness.dequantize_4bit(A, qs)
+    assert_bit_exact(out, expected, f"{storage} out=")
+    assert_bit_exact(allocated, expected, f"{storage}")
