@@ -171,12 +171,11 @@ def test_configure_refuses_a_table_the_compiled_path_cannot_read(module):
 
     bad = Operand("absmax", "absmax", "float32", Count("no-such-quantity"))
     with pytest.raises(ValueError, match="no-such-quantity"):
-        host_launcher.operands.encoded((bad,), host_launcher.ENTRY_ARGS, dequantize_kernel.QUANTITIES, None)
+        host_launcher.operands.encoded((bad,), host_launcher.ENTRY_ARGS, dequantize_kernel.QUANTITIES)
     only_A = host_launcher.operands.encoded(
         (Operand("A", "A", BYTES, Count("n", "two", at_least=True)),),
         host_launcher.ENTRY_ARGS,
         dequantize_kernel.QUANTITIES,
-        None,
     )
     with pytest.raises(ValueError, match="cover its scale tensors"):
         module.configure(

@@ -69,8 +69,8 @@ def dequantize_4bit(
         )
     else:
         fields, nested = quant_state_args(quant_state)
-        result = dequantize_packed(A, *fields, out, **nested)
-    return transposed_like_bitsandbytes(A, result)
+        result = dequantize_packed(A, *fields, out, **nested) if nested else dequantize_packed(A, *fields, out)
+    return result.t() if A.shape[0] == 1 else result  # transposed_like_bitsandbytes, inline: the hot path
 
 
 def transposed_like_bitsandbytes(A: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,7 @@ def configure(
         raise HostLauncherUnavailable(f"host_launcher.cpp takes {module.entry_args()}, expected {ENTRY_ARGS} first")
 
     def rules(*table):
-        return operands.encoded(table, ENTRY_ARGS, dequantize_kernel.QUANTITIES, lambda name: getattr(torch, name))
+        return operands.encoded(table, ENTRY_ARGS, dequantize_kernel.QUANTITIES)
 
     return module.configure(
         launch_kernel or _driver_entry("cuLaunchKernel"),

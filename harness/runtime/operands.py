@@ -12,6 +12,7 @@ scale blocks, a constant such as 2 nibbles a byte). Importable without PyTorch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,24 @@ def _fail(message: str):
     raise DequantizeInputError(message)
 
 
+# PyTorch, bound at the first check (this module imports without PyTorch).
+_torch = None
+
+
+def _bind_torch():
+    global _torch
+    import torch
+
+    _torch = torch
+    return torch
+
+
+@functools.cache
+def torch_dtype(name: str):
+    """The torch.dtype an operand's dtype name stands for."""
+    return getattr(_torch or _bind_torch(), name)
+
+
 def check(
     operand: Operand,
     t: Any,
@@ -59,8 +78,7 @@ def check(
 ) -> None:
     """Raise DequantizeInputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
     ``torch.device``; ``dtype`` and ``shape`` are the call's output dtype and shape."""
-    import torch
-
+    torch = _torch or _bind_torch()
     label = operand.label
     if not isinstance(t, torch.Tensor):
         _fail(f"{label} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,7 +87,7 @@ def check(
     if operand.dtype == OUT:
         if t.dtype != dtype:
             _fail(f"Expected {label}.dtype == {dtype}, got {t.dtype}")
-    elif operand.dtype != BYTES and t.dtype != getattr(torch, operand.dtype):
+    elif operand.dtype != BYTES and t.dtype != torch_dtype(operand.dtype):
         _fail(f"{label} must be torch.{operand.dtype}, got {t.dtype}")
     if t.device != device:
         _fail(f"{label} is on {t.device}, but A is on {device}; all tensors must be on the same device")
@@ -87,18 +105,17 @@ def check(
             _fail(f"{label} must hold {need} elements for this shape and block size, got {t.numel()}")
 
 
-def encoded(operands: tuple[Operand, ...], args: tuple[str, ...], quantities: tuple[str, ...], dtypes) -> tuple:
+def encoded(operands: tuple[Operand, ...], args: tuple[str, ...], quantities: tuple[str, ...]) -> tuple:
     """A table as the compiled host path reads it: per operand (argument index, dtype: a
     torch.dtype, None for BYTES or the string "out", numerator and denominator quantity indices,
-    at-least flag, minimum dims, same-shape-as-the-call flag). ``dtypes`` maps a name to a
-    torch.dtype."""
+    at-least flag, minimum dims, same-shape-as-the-call flag)."""
     rows = []
     for o in operands:
         named = (o.count.num, o.count.den) if o.count else ()
         unknown = ({o.arg} - set(args)) | (set(named) - set(quantities))
         if unknown:
             raise ValueError(f"operand {o.label!r} names {sorted(unknown)}, which the compiled path does not know")
-        dtype = None if o.dtype == BYTES else OUT if o.dtype == OUT else dtypes(o.dtype)
+        dtype = None if o.dtype == BYTES else OUT if o.dtype == OUT else torch_dtype(o.dtype)
         count = o.count or Count("one")
         rows.append(
             (
