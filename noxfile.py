@@ -54,12 +54,8 @@ def _install(
         session.log("--no-venv: using the packages of the current interpreter, installing nothing")
         return
     reqs = [r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)]
-    request = {
-        "groups": reqs,
-        "project": project,
-        "torch": torch_requirement() if torch else None,
-        "extra": list(extra),
-    }
+    # PyTorch's own requirement is left out: an installed PyTorch is kept whatever it asks for.
+    request = {"groups": reqs, "project": project, "torch": torch, "extra": list(extra)}
     if _installed(session, request):
         session.log("this virtualenv already holds these requirements: installing nothing")
         return
