@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import harness
@@ -29,6 +30,8 @@ shapes = st.lists(st.integers(1, 700), min_size=1, max_size=3).filter(lambda s: 
     raw=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+# One packed byte in a 3-D shape: bitsandbytes' transpose shim fails after writing (found by this test).
+@example(shape=[1, 1, 1], quant_type="nf4", out_dtype="fp16", blocksize=32, nested=False, raw=False, seed=0)
 def test_any_case_is_bit_exact(cuda, bnb, shape, quant_type, out_dtype, blocksize, nested, raw, seed):
     dtype = cases.dtype_of(out_dtype)
     if raw:
@@ -37,7 +40,14 @@ def test_any_case_is_bit_exact(cuda, bnb, shape, quant_type, out_dtype, blocksiz
     else:
         A, qs = cases.quantize_weights(shape, quant_type, blocksize, nested, dtype, seed, device=cuda)
     expected = poison_(torch.empty(qs.shape, dtype=dtype, device=cuda), alternate=True)
-    bnb.dequantize_4bit(A, qs, out=expected)
     got = poison_(torch.empty(qs.shape, dtype=dtype, device=cuda))
-    harness.dequantize_4bit(A, qs, out=got)
+    try:
+        bnb.dequantize_4bit(A, qs, out=expected)
+    except RuntimeError as e:
+        # A packed tensor of one byte is [1, 1]: bitsandbytes' [1, bytes] transpose shim then fails
+        # on a 3-D output after writing it. A drop-in fails the same way, with the same output.
+        with pytest.raises(RuntimeError, match=re.escape(str(e).splitlines()[0])):
+            harness.dequantize_4bit(A, qs, out=got)
+    else:
+        harness.dequantize_4bit(A, qs, out=got)
     assert_bit_exact(got, expected)
