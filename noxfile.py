@@ -115,9 +115,10 @@ def _python(session: nox.Session) -> str:
 
 def _has_module(session: nox.Session, name: str) -> bool:
     """Whether the session's interpreter can import ``name``. (With ``silent=True`` nox returns
-    the command's output, not a status: the answer is read from what it prints.)"""
+    the command's output, not a status: the answer is read from what it prints. ``run_install``:
+    the probe belongs to installing, so it runs under ``--install-only`` too.)"""
     code = f"import importlib.util; print('found' if importlib.util.find_spec({name!r}) else 'missing')"
-    output = session.run(_python(session), "-c", code, silent=True, log=False)
+    output = session.run_install(_python(session), "-c", code, silent=True, log=False)
     return isinstance(output, str) and output.strip().splitlines()[-1:] == ["found"]
 
 
@@ -139,9 +140,11 @@ def gpu_count() -> int:
 
 def _gpu_env(**extra: str) -> dict[str, str]:
     """The environment of a session on a GPU: the compiled host path is required there, so a
-    missing C++ toolchain fails the session instead of quietly running the Python path."""
+    missing C++ toolchain fails the session instead of quietly running the Python path; and the
+    user site is off, so a .pth left in it (on a runner that outlives a job) runs nothing in a
+    virtualenv that sees the system's packages."""
     name = SETTINGS.HOST_LAUNCHER.name
-    return {name: os.environ.get(name, "compiled"), **extra}
+    return {name: os.environ.get(name, "compiled"), "PYTHONNOUSERSITE": "1", **extra}
 
 
 @nox.session

@@ -187,15 +187,15 @@ def test_pytorch_is_a_cpu_build_where_no_gpu_is_visible(monkeypatch):
 
 
 class _Session:
-    """What ``_has_module`` reads of a nox session: ``run`` with ``silent=True`` returns the
-    command's output as a string (nox's documented behaviour), never True."""
+    """What ``_has_module`` reads of a nox session: ``run_install`` with ``silent=True`` returns
+    the command's output as a string (nox's documented behaviour), never True."""
 
     venv_backend = "venv"
 
     def __init__(self, output: str):
         self.output = output
 
-    def run(self, *args, silent=False, **kwargs):
+    def run_install(self, *args, silent=False, **kwargs):
         assert silent, "the answer is read from the output, which nox returns only when silent"
         return self.output
 
@@ -251,3 +251,12 @@ def test_kernels_is_not_importable_from_any_directory(tmp_path):
     # bitsandbytes says it could not load kernels-community's package wherever that is not
     # installed; what it must never find is ours (then it fails on the missing get_kernel).
     assert "from 'kernels'" not in done.stderr and str(ROOT / "kernels") not in done.stderr, done.stderr
+
+
+def test_gpu_sessions_switch_the_user_site_off(monkeypatch):
+    """A .pth left in the user site runs in every virtualenv that sees the system's packages
+    (every GPU session uses one): GPU sessions run with the user site off."""
+    monkeypatch.delenv("NF4_HARNESS_HOST_LAUNCHER", raising=False)
+    env = _noxfile()._gpu_env(PYTHONPATH="/judge")
+    assert env["PYTHONNOUSERSITE"] == "1" and env["PYTHONPATH"] == "/judge"
+    assert env["NF4_HARNESS_HOST_LAUNCHER"] == "compiled"
