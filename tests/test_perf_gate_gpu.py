@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.perf import catalog
+from harness.perf import catalog, gate
 from harness.perf.gate import Verdict
 from harness.perf.session import JUDGE_ROOT, PerfSession
 from tests.perf import planted
@@ -24,16 +24,20 @@ CASE_IDS = (
 )
 
 
-def _verdicts(candidate, run_seed) -> dict[str, Verdict]:
+def _session(candidate, run_seed) -> PerfSession:
     cases = [c for c in catalog.kernel_cases() if c.id in CASE_IDS]
     session = PerfSession(candidate, JUDGE_ROOT, seed=run_seed, references=False)
     try:
         for case in cases:
             session.measure_kernel(case)
-        judgements = session.settle()
+        session.settle()
     finally:
         session.close()
-    return {cid: j.verdict for cid, j in judgements.items()}
+    return session
+
+
+def _verdicts(candidate, run_seed) -> dict[str, Verdict]:
+    return {cid: j.verdict for cid, j in _session(candidate, run_seed).judgements.items()}
 
 
 def test_unchanged_copy_is_not_slower(cuda, tmp_path, run_seed):
@@ -50,3 +54,10 @@ def test_planted_slowdown_is_slower_everywhere(cuda, tmp_path, run_seed):
 def test_fp32_only_slowdown_is_slower_only_there(cuda, tmp_path, run_seed):
     verdicts = _verdicts(planted.build(JUDGE_ROOT, tmp_path / "fp32", stretch=0.10, only_fp32=True), run_seed)
     assert {c for c, v in verdicts.items() if v is Verdict.SLOWER} == {CASE_IDS[2]}, verdicts
+
+
+def test_a_candidate_whose_output_differs_fails_the_gate_for_it(cuda, tmp_path, run_seed):
+    session = _session(planted.build_wrong_output(JUDGE_ROOT, tmp_path / "wrong"), run_seed)
+    differing = [cid for cid, r in session.kernel.items() if r.same_output is False]
+    assert sorted(differing) == sorted(CASE_IDS)
+    assert gate.exit_status(session.judgements, differing=len(differing)) == gate.EXIT_OUTPUT_DIFFERS

@@ -126,6 +126,10 @@ def test_exit_status_says_which_kind_of_red():
     assert gate.exit_status({"a": slower, "b": ambiguous}) == gate.EXIT_REGRESSION
     assert gate.exit_status({"a": same}, drifted=1) == gate.EXIT_REGRESSION
     assert gate.exit_status({"a": same}, errors=1) == gate.EXIT_ERROR
+    # A different output is its own red, above a regression: its timing measured another computation.
+    assert gate.exit_status({"a": slower}, drifted=1, differing=1) == gate.EXIT_OUTPUT_DIFFERS
+    assert gate.exit_status({"a": same}, differing=1, errors=1) == gate.EXIT_ERROR
+    assert "differs" in report.STATUS_LINES[gate.EXIT_OUTPUT_DIFFERS]
     assert gate.counts({"a": same, "b": slower, "c": same}) == {"SAME": 2, "SLOWER": 1}
 
 

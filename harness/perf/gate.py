@@ -10,10 +10,11 @@ Per case (``policy`` holds the numbers):
                still AMBIGUOUS after ``Schedule.max_rounds`` stays so
 
 Per session, the exit status: 0 when every gated case is SAME or FASTER and the drift guard
-passed; ``EXIT_ERROR`` when a case could not be measured at all; ``EXIT_REGRESSION`` when any
-case is SLOWER or drifted past the stored baseline;
-``EXIT_UNDECIDED`` when nothing regressed but some case is still AMBIGUOUS, so a red build says
-which of the two it is.
+passed; ``EXIT_ERROR`` when a case could not be measured at all; ``EXIT_OUTPUT_DIFFERS`` when the
+candidate's output differs from the base's in any bit (a timing of a different computation
+proves nothing, whatever it says); ``EXIT_REGRESSION`` when any case is SLOWER or drifted past
+the stored baseline; ``EXIT_UNDECIDED`` when nothing regressed but some case is still AMBIGUOUS,
+so a red build says which of these it is.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_ERROR = 3  # a case failed to measure: pytest reports the failure, the summary says so
 EXIT_UNDECIDED = 6  # pytest's own codes stop at 5
+EXIT_OUTPUT_DIFFERS = 7
 
 
 class Verdict(enum.Enum):
@@ -85,10 +87,13 @@ def rounds_to_add(judgement: Judgement, schedule: policy.Schedule = policy.SCHED
     return max(0, min(have * (schedule.remeasure_factor - 1), schedule.max_rounds - have))
 
 
-def exit_status(judgements: Mapping[str, Judgement], drifted: int = 0, errors: int = 0) -> int:
+def exit_status(judgements: Mapping[str, Judgement], drifted: int = 0, errors: int = 0, differing: int = 0) -> int:
+    """The session's exit status; ``differing`` counts the cases whose outputs differ from the base's."""
     verdicts = [j.verdict for j in judgements.values()]
     if errors:
         return EXIT_ERROR
+    if differing:
+        return EXIT_OUTPUT_DIFFERS
     if drifted or Verdict.SLOWER in verdicts:
         return EXIT_REGRESSION
     if Verdict.AMBIGUOUS in verdicts:

@@ -159,8 +159,9 @@ def header_lines(session, drift_line: str, status: int) -> list[str]:
             f"thresholds {classes}; family-wise alpha {policy.FAMILY_ALPHA} (Holm)"
         )
         lines.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in gate.counts(session.judgements).items()))
-        if any(r.same_output is False for r in session.kernel.values()):
-            lines.append("note: base and candidate outputs differ on some case (column `same bits`)")
+        differing = [r.case.id for r in session.kernel.values() if r.same_output is False]
+        if differing:
+            lines.append(f"outputs differ from the base's on {len(differing)} case(s): {', '.join(differing[:5])}")
     lines.append(drift_line)
     lines.append(f"session wall time: {time.perf_counter() - session.started:.0f} s")
     lines.append(STATUS_LINES[status])
@@ -171,6 +172,10 @@ STATUS_LINES = {
     gate.EXIT_OK: "gate: PASS (every gated case SAME or FASTER, no drift past the stored baseline)",
     gate.EXIT_REGRESSION: "gate: FAIL, regression (a case SLOWER than the base, or drifted past the stored baseline)",
     gate.EXIT_ERROR: "gate: FAIL, some cases could not be measured (see the failures above)",
+    gate.EXIT_OUTPUT_DIFFERS: (
+        "gate: FAIL, the candidate's output differs from the base's (column `same bits`): its timing measures "
+        "another computation"
+    ),
     gate.EXIT_UNDECIDED: (
         "gate: FAIL, undecided (no regression found, but a case is still AMBIGUOUS after every re-measurement: "
         "re-run the job, or look at that case's rounds in benchmark.json)"

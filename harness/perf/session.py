@@ -85,7 +85,7 @@ class KernelResult:
     base_rounds_s: list[float] = field(default_factory=list)  # per-round median, base side
     cand_rounds_s: list[float] = field(default_factory=list)  # per-round median, candidate side
     cand_samples_s: list[float] = field(default_factory=list)  # every kept candidate sample
-    same_output: bool | None = None  # base and candidate output fingerprints equal
+    same_output: bool | None = None  # base and candidate wrote the same output bits
     references_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0  # host wall time spent on this case (inputs, rounds, references)
 
@@ -149,8 +149,8 @@ class PerfSession:
         return (a, b, b, a) if index % 2 == 0 else (b, a, a, b)
 
     # -- kernel cases ---------------------------------------------------------------------------
-    def _prepare(self, case: KernelCase) -> dict[str, int]:
-        return self.worker.call("kernel_case", spec=case.spec(self.seed))["fingerprints"]
+    def _prepare(self, case: KernelCase) -> bool:
+        return self.worker.call("kernel_case", spec=case.spec(self.seed))["same_bits"]
 
     def _rounds(self, result: KernelResult, count: int) -> None:
         start = len(result.cand_rounds_s)
@@ -166,10 +166,10 @@ class PerfSession:
     def measure_kernel(self, case: KernelCase) -> KernelResult:
         """Measure one case on both sides (and the reference implementations on the candidate)."""
         t0 = time.perf_counter()
-        fingerprints = self._prepare(case)
+        same_bits = self._prepare(case)
         result = KernelResult(case)
         if self.ab:
-            result.same_output = fingerprints["base"] == fingerprints["candidate"]
+            result.same_output = same_bits
         if not self.host_overhead_us and case.numel < 8_000_000:
             self.host_overhead_us = self.worker.call("host_overhead", side="candidate")
         self._rounds(result, self.schedule.rounds)

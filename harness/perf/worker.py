@@ -29,10 +29,11 @@ class Worker:
 
         # The judge's code, loaded before any side's.
         from harness.correctness import cases, qlora
+        from harness.correctness.bitcompare import poison_
         from harness.perf import gpu_info, gpu_timer, sides
         from harness.runtime import launcher
 
-        self.torch, self.cases, self.qlora, self.launcher = torch, cases, qlora, launcher
+        self.torch, self.cases, self.qlora, self.launcher, self.poison_ = torch, cases, qlora, launcher, poison_
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
@@ -44,26 +45,28 @@ class Worker:
     # -- kernel cases ---------------------------------------------------------------------------
     def op_kernel_case(self, spec: dict) -> dict:
         """Build a case's inputs once for every side (bitsandbytes quantizes fresh random weights
-        from the seed), run each side once and return a fingerprint of each output's bits."""
+        from the seed), run each side once on a poisoned output and say whether every side wrote
+        the first side's bits exactly."""
         self.op_release()
+        torch = self.torch
         dtype = self.cases.dtype_of(spec["dtype"])
         A, qs = self.cases.quantize_weights(
             spec["shape"], spec["quant"], spec["blocksize"], spec["nested"], dtype, spec["seed"], device=self.device
         )
         self.case = {"A": A, "qs": qs, "spec": spec}
-        fingerprints = {}
-        for name, side in self.sides.items():
+        first, same = None, True
+        for side in self.sides.values():
+            out = self.poison_(torch.empty(qs.shape, dtype=dtype, device=self.device), alternate=first is not None)
             with side.active():
-                out = side.dequantize_4bit(A, qs)
-            fingerprints[name] = self._fingerprint(out)
+                side.dequantize_4bit(A, qs, out=out)
+            torch.cuda.synchronize(self.device)
+            bits = out.view(-1).view(torch.uint8)
+            if first is None:
+                first = bits
+            else:
+                same = same and torch.equal(first, bits)
             del out
-        return {"numel": qs.shape.numel(), "fingerprints": fingerprints}
-
-    def _fingerprint(self, out) -> int:
-        torch = self.torch
-        torch.cuda.synchronize(self.device)
-        words = out.contiguous().view(-1).view(torch.uint8)
-        return int(words[: words.numel() // 4 * 4].view(torch.int32).sum(dtype=torch.int64))
+        return {"numel": qs.shape.numel(), "same_bits": same}
 
     def op_measure(self, side: str, samples: int) -> dict:
         """One batch: ``samples`` cold-L2 GPU times of one side's call (seconds)."""

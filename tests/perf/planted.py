@@ -1,5 +1,6 @@
 """Planted regressions that prove the perf gate: a copy of a checkout whose kernel is deliberately
-slower, built in a temporary tree. A test fixture, never a switch in the product.
+slower (or whose output is wrong), built in a temporary tree. A test fixture, never a switch in
+the product.
 
 The planted kernel stretches each launch's GPU time by a set fraction: every block notes when
 it started (the earliest start wins), and the last block to finish spins until the launch has
@@ -76,6 +77,27 @@ def build(source_root: Path, dest: Path, stretch: float, only_fp32: bool = False
     """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown there."""
     kernel = copy_checkout(source_root, dest) / KERNEL
     kernel.write_text(planted_source(kernel.read_text(), stretch, only_fp32))
+    return dest
+
+
+_WRONG_OUTPUT = """
+
+# PLANTED WRONG OUTPUT (tests/perf/planted.py): the drop-in flips the lowest bit of its first byte.
+_planted_exact = dequantize_4bit
+
+
+def dequantize_4bit(*args, **kwargs):
+    result = _planted_exact(*args, **kwargs)
+    result.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+    return result
+"""
+
+
+def build_wrong_output(source_root: Path, dest: Path) -> Path:
+    """Copy the checkout to ``dest`` with a drop-in whose output differs from the original's in
+    one bit (and which costs one more tiny launch): the gate must fail it for its output."""
+    api = copy_checkout(source_root, dest) / "harness" / "runtime" / "api.py"
+    api.write_text(api.read_text() + _WRONG_OUTPUT)
     return dest
 
 
