@@ -1,4 +1,4 @@
-"""nf4-harness: a fast NF4/FP4 dequantization kernel and the harness that proves and times it.
+"""nf4-harness: fast NF4/FP4 kernels (dequantization, fused matmul) and the harness that proves and times them.
 
 Attributes load lazily so the compile layer (``harness.runtime.jit``) works without PyTorch installed.
 """
@@ -21,6 +21,7 @@ __all__ = [
     "ToolchainMissingError",
     "bitsandbytes_patched",
     "dequantize_4bit",
+    "matmul_4bit",
     "patch_bitsandbytes",
     "unpatch_bitsandbytes",
 ]
@@ -33,6 +34,10 @@ def __getattr__(name):
         from harness.runtime.api import dequantize_4bit
 
         return dequantize_4bit
+    if name == "matmul_4bit":
+        from harness.runtime.matmul import matmul_4bit
+
+        return matmul_4bit
     if name in _PATCH_NAMES:
         from harness.runtime import patch
 

@@ -15,18 +15,17 @@ import pytest
 
 from harness import settings
 from harness.errors import KernelCompileError, ToolchainMissingError
-from harness.runtime import jit
+from harness.runtime import jit, matmul_kernel
 from harness.runtime.dequantize_kernel import ENTRY, all_variants
 
 _COMPILE_ALL = """
 import json
-from harness.runtime import dequantize_kernel, jit
-from harness.runtime.dequantize_kernel import all_variants
+from harness.compile_check.resource_record import compiled_modules
+from harness.runtime import jit
 out = {}
 for arch in jit.CHECKED_ARCHS:
-    for v in all_variants():
-        c = jit.compile_kernel(dequantize_kernel.spec_for(v, arch), use_cache=False)
-        out[v.name + "@" + arch] = {
+    for name, c in compiled_modules(arch):
+        out[name + "@" + arch] = {
             "elf": c.cubin[:4] == b"\\x7fELF",
             "resources": [r.as_dict() for r in c.resources],
             "log": c.log,
@@ -60,6 +59,32 @@ def test_every_variant_compiles_for_every_arch(compiled_all, variant, arch):
     assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
     # The code table lives in shared memory: 64 bytes, plus 1 KiB for the nested 256-entry table.
     assert res["shared_bytes"] == (64 + 1024 if variant.nested else 64)
+
+
+@pytest.mark.parametrize("arch", jit.CHECKED_ARCHS)
+@pytest.mark.parametrize("variant", matmul_kernel.all_variants(), ids=lambda v: v.name)
+def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arch):
+    compiled = compiled_all[f"{variant.name}@{arch}"]
+    assert compiled["elf"]
+    resources = {r["kernel"]: r for r in compiled["resources"]}
+    assert set(resources) == {matmul_kernel.ENTRY, matmul_kernel.FINISH}, compiled["log"]
+    for res in resources.values():
+        assert res["arch"] == arch and 0 < res["registers"] <= 255
+        assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
+    assert resources[matmul_kernel.ENTRY]["shared_bytes"] == 64  # the 16-entry code table
+
+
+@pytest.mark.parametrize("source", ["dequantize_4bit.cu", "matmul_4bit.cu"])
+def test_every_kernel_holds_the_reference_code_tables(source):
+    """The code tables are written into each kernel as bits; each must be the format's."""
+    import re
+
+    from harness.correctness.reference import FP4_BITS, NF4_BITS
+
+    text = (jit.kernels_dir() / source).read_text()
+    words = [int(w, 16) for w in re.findall(r"0x([0-9a-f]{8})u", text)]
+    tables = [tuple(words[i : i + 16]) for i in range(0, len(words) - 15, 16)]
+    assert NF4_BITS in tables and FP4_BITS in tables
 
 
 def test_compile_error_carries_the_nvrtc_log(tmp_path):

@@ -60,11 +60,18 @@ def test_compiler_change_and_shared_memory_change_are_noted():
 
 
 def test_committed_record_covers_every_variant_and_arch():
-    from harness.runtime.dequantize_kernel import all_variants
+    from harness.runtime import dequantize_kernel, matmul_kernel
     from harness.runtime.jit import CHECKED_ARCHS
 
     recorded = json.loads(DEFAULT_RECORD.read_text())["kernels"]
-    assert set(recorded) == {f"{v.name}@{a}" for v in all_variants() for a in CHECKED_ARCHS}
+    dequantize = {f"{v.name}@{a}" for v in dequantize_kernel.all_variants() for a in CHECKED_ARCHS}
+    matmul = {
+        f"{v.name}:{entry}@{a}"
+        for v in matmul_kernel.all_variants()
+        for entry in (matmul_kernel.ENTRY, matmul_kernel.FINISH)
+        for a in CHECKED_ARCHS
+    }
+    assert set(recorded) == dequantize | matmul
 
 
 def test_cli_fails_against_a_tighter_record(tmp_path):

@@ -13,23 +13,31 @@ import sys
 from pathlib import Path
 
 from harness.perf.gpu_info import installed_version
-from harness.runtime import dequantize_kernel, jit
-from harness.runtime.dequantize_kernel import all_variants
+from harness.runtime import dequantize_kernel, jit, matmul_kernel
 
 DEFAULT_RECORD = Path(__file__).resolve().parents[2] / "baselines" / "ptxas-resources.json"
 FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "shared_bytes")
 UPDATE_COMMAND = "nox -s compile -- --update"
 
 
+def compiled_modules(arch: str):
+    """(record name, compiled module) of every variant of every op for one arch."""
+    for variant in dequantize_kernel.all_variants():
+        yield variant.name, jit.compile_kernel(dequantize_kernel.spec_for(variant, arch), use_cache=False)
+    for variant in matmul_kernel.all_variants():
+        yield variant.name, jit.compile_kernel(matmul_kernel.spec_for(variant, arch), use_cache=False)
+
+
 def measure() -> dict:
     kernels = {}
     for arch in jit.CHECKED_ARCHS:
-        for variant in all_variants():
-            compiled = jit.compile_kernel(dequantize_kernel.spec_for(variant, arch), use_cache=False)
-            if len(compiled.resources) != 1:
-                raise RuntimeError(f"no ptxas report for {variant.name} on {arch}:\n{compiled.log}")
-            res = compiled.resources[0].as_dict()
-            kernels[f"{variant.name}@{arch}"] = {f: res[f] for f in FIELDS}
+        for name, compiled in compiled_modules(arch):
+            if not compiled.resources:
+                raise RuntimeError(f"no ptxas report for {name} on {arch}:\n{compiled.log}")
+            for res in (r.as_dict() for r in compiled.resources):
+                # One record line per entry point; a module of one entry keeps its variant's name.
+                entry = "" if len(compiled.resources) == 1 else f":{res['kernel']}"
+                kernels[f"{name}{entry}@{arch}"] = {f: res[f] for f in FIELDS}
     return {
         "nvrtc": jit.nvrtc_version(),
         "nvidia_cuda_nvrtc_wheel": installed_version("nvidia-cuda-nvrtc"),

@@ -157,16 +157,17 @@ def launch_error(label: str, err) -> KernelLaunchError:
     return KernelLaunchError(label, _error_name(err), f"cuLaunchKernel returned {int(err)}")
 
 
-def launch(loaded: LoadedKernel, grid: int, block: int, stream_handle: int, args) -> None:
+def launch(loaded: LoadedKernel, grid: int | tuple[int, int, int], block: int, stream_handle: int, args) -> None:
     """Enqueue one launch of ``loaded`` with ``args`` (in the order of its parameter kinds) on a
-    raw CUDA stream handle (e.g. PyTorch's current stream). A refused launch raises
-    KernelLaunchError with the CUDA error name."""
+    raw CUDA stream handle (e.g. PyTorch's current stream); ``grid`` is a block count or (x, y, z).
+    A refused launch raises KernelLaunchError with the CUDA error name."""
     driver = _driver or _bind_driver()
     if (stream := _streams.get(stream_handle)) is None:
         stream = _streams[stream_handle] = driver.CUstream(stream_handle)
+    gx, gy, gz = grid if grid.__class__ is tuple else (grid, 1, 1)
     packer = loaded.packer
     with loaded.lock:
         packer.pack(args)
-        (err,) = driver.cuLaunchKernel(loaded.handle, grid, 1, 1, block, 1, 1, 0, stream, packer.params, 0)
+        (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
         raise launch_error(loaded.label, err)

@@ -1,0 +1,123 @@
+"""Drop-in ``matmul_4bit`` with bitsandbytes 0.50.2's signature and semantics: ``A [..., K] ·
+dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there, ``[K, N]``).
+
+Inference calls with few rows (``CROSSOVER_M``) run the fused kernel (``matmul_kernel``), which
+reads the packed weights once and never writes them out; everything else, and every call that
+needs gradients, runs our dequantization kernel and ``F.linear``, as bitsandbytes' own fallback
+does. A fused result is not bit-identical to cuBLAS (another summation order); its bound is
+``harness.correctness.matmul_reference``'s. Bad input raises ``DequantizeInputError`` before any
+launch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from harness.errors import DequantizeInputError
+from harness.runtime import api, matmul_kernel
+
+# Rows up to which the fused kernel runs; above, dequantize + F.linear. A first choice, not yet
+# measured against the fallback on any GPU (kernels/NOTES.md, "Fused matmul").
+CROSSOVER_M = 64
+_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _fail(message: str):
+    raise DequantizeInputError(message)
+
+
+def matmul_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    quant_state: Any,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``bitsandbytes.matmul_4bit``'s drop-in: the same arguments and result shape, ``out``
+    filled and returned when given; a weight quantized as ``[K, N]`` is used transposed, an empty
+    ``A`` returns an empty result. CUDA tensors only (the fallback dequantizes with our kernel).
+
+    Raises:
+        DequantizeInputError: (a ValueError) for anything neither path takes, before any launch.
+        KernelLaunchError: the CUDA driver refused a launch; names the CUDA error.
+    """
+    if quant_state is None:
+        _fail("quant_state is required")
+    if not isinstance(A, torch.Tensor):
+        _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
+    fields, nested = api.quant_state_args(quant_state)
+    absmax, blocksize, quant_type, shape, _dtype = fields
+    if len(shape) != 2:
+        _fail("matmul_4bit: quant_state.shape must be 2D [N, K]")
+    K = A.shape[-1] if A.dim() else _fail("A must have at least one dimension")
+    if K == shape[0] and K != shape[1]:  # quantized from [K, N]: bitsandbytes uses it transposed
+        W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
+        return _into(out, torch.nn.functional.linear(A, W.t(), bias))
+    N = shape[0]
+    if K != shape[1]:
+        _fail(f"A has {K} features but the weight takes {shape[1]} (quant_state.shape {tuple(shape)})")
+    needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+    if not needs_grad:
+        if A.numel() == 0:
+            return out if out is not None else A.new_empty((*A.shape[:-1], N))
+        if _fused_takes(A, B, bias, out, N, K, blocksize):
+            return _fused(A, B, fields, nested, bias, out, N, K)
+    W = api.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
+    return _into(out, torch.nn.functional.linear(A, W, bias))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % matmul_kernel.ALIGN == 0
+
+
+def _fused_takes(A, B, bias, out, N: int, K: int, blocksize: int) -> bool:
+    """Whether the fused kernel computes this call; the rest is the fallback's, not an error."""
+    M = A.numel() // K
+    return (
+        A.is_cuda
+        and A.dtype in _NAMES
+        and M <= CROSSOVER_M
+        and matmul_kernel.takes_shape(K, blocksize)
+        and _aligned(A)
+        and isinstance(B, torch.Tensor)
+        and B.is_cuda
+        and B.data_ptr() % matmul_kernel.ALIGN == 0
+        and (
+            bias is None or (bias.dtype == A.dtype and bias.device == A.device and bias.numel() == N and _aligned(bias))
+        )
+    )
+
+
+def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
+    absmax, blocksize, quant_type, shape, _dtype = fields
+    # The weight's rules (packed bytes, scales, nested statistics): the dequantization call's.
+    call = api.check_call(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
+    M = math.prod(A.shape[:-1])
+    result_shape = (*A.shape[:-1], N)
+    direct = out is not None and out.shape == result_shape and out.dtype == A.dtype and out.device == A.device
+    direct = direct and out.is_contiguous()
+    target = out if direct else A.new_empty(result_shape)
+    workspace = torch.zeros((M, N), dtype=torch.float32, device=A.device)
+    variant = matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, call.nested, matmul_kernel.token_tile(M))
+    absmax_t, code2, absmax2, offset_t, offset_value = call.scales
+    pointers = [t.data_ptr() if t is not None else 0 for t in (B, absmax_t, code2, absmax2, offset_t)]
+    device = A.device.index
+    with torch.cuda.device(device):  # the kernel's GPU current for the launch, the caller's after
+        matmul_kernel.launch(
+            variant, device, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(), (*pointers, offset_value),
+            workspace.data_ptr(), bias.data_ptr() if bias is not None else 0, target.data_ptr(), M, N, K, blocksize,
+            call.blocksize2,
+        )  # fmt: skip
+    return target if direct or out is None else _into(out, target)

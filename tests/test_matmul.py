@@ -1,0 +1,182 @@
+"""harness.matmul_4bit: bitsandbytes' semantics, the fused kernel's exact part and its bound.
+
+No GPU: the launch plan (token tile, split of K), what the fused kernel takes, and every error
+raised before a launch. On a GPU: one-hot rows give the dequantization kernel's bits exactly;
+random rows stay inside the derived bound and no farther from the fp64 reference than
+bitsandbytes' own result; the fallback (large M, misaligned, gradients) is our dequantization
+and F.linear bit for bit; bias, out=, [K, N] weights, empty and 3-D inputs as bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import harness
+from harness.correctness import cases
+from harness.correctness import matmul_reference as mr
+from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.errors import DequantizeInputError
+from harness.runtime import api, matmul_kernel
+from harness.runtime.matmul import CROSSOVER_M
+
+# --- no GPU needed -----------------------------------------------------------------------------
+
+
+def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
+    assert [matmul_kernel.token_tile(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 1000)] == [
+        8,
+        8,
+        16,
+        16,
+        32,
+        64,
+        64,
+        64,
+        64,
+    ]
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 28672, 8192), (1, 1024, 8192), (64, 8192, 8192), (8, 48, 96)])
+@pytest.mark.parametrize("sms", [108, 132])
+def test_the_grid_covers_every_step_once_and_fills_the_gpu(M, N, K, sms):
+    g = matmul_kernel.grid_for(M, N, K, matmul_kernel.token_tile(M), sms)
+    groups, splits, tiles = g.blocks
+    steps = -(-K // matmul_kernel.STEP_K)
+    assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
+    assert groups * matmul_kernel.FEATURES_PER_BLOCK >= N and tiles * matmul_kernel.token_tile(M) >= M
+    assert groups * splits * tiles >= min(sms, groups * steps * tiles)  # every SM busy where K allows
+
+
+def test_the_kernel_takes_k_in_multiples_of_32_and_blocks_of_32_or_more():
+    assert matmul_kernel.takes_shape(8192, 64) and matmul_kernel.takes_shape(96, 32)
+    assert not matmul_kernel.takes_shape(100, 64) and not matmul_kernel.takes_shape(0, 64)
+
+
+def _host_state(N=48, K=96, nested=False):
+    return SimpleNamespace(
+        absmax=torch.ones(N * K // 64), shape=torch.Size([N, K]), dtype=torch.bfloat16, blocksize=64,
+        quant_type="nf4", nested=nested, state2=None, offset=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda A, B, qs: harness.matmul_4bit(A, B, None), "quant_state is required"),
+        (lambda A, B, qs: harness.matmul_4bit(A.tolist(), B, qs), "A must be a torch.Tensor"),
+        (lambda A, B, qs: harness.matmul_4bit(A, B, qs, out=[0]), "out must be a torch.Tensor"),
+        (lambda A, B, qs: harness.matmul_4bit(A, B, SimpleNamespace(**{**vars(qs), "shape": (2, 48, 96)})), "2D"),
+        (lambda A, B, qs: harness.matmul_4bit(A[:, :64], B, qs), "A has 64 features but the weight takes 96"),
+        (lambda A, B, qs: harness.matmul_4bit(A, B, qs), "must be on a CUDA device"),
+        (lambda A, B, qs: harness.matmul_4bit(A, B, "state"), "quant_state must be a bitsandbytes QuantState"),
+    ],
+    ids=["no-state", "A-list", "out-list", "3d-weight", "k-mismatch", "host", "not-a-state"],
+)
+def test_what_it_cannot_take_is_an_input_error_before_any_launch(call, message):
+    A, B = torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8)
+    with pytest.raises(DequantizeInputError, match=message):
+        call(A, B, _host_state())
+
+
+def test_empty_input_gives_an_empty_result_as_bitsandbytes():
+    B, qs = torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8), _host_state()
+    assert harness.matmul_4bit(torch.zeros(0, 96, dtype=torch.bfloat16), B, qs).shape == (0, 48)
+    assert harness.matmul_4bit(torch.zeros(2, 0, 96, dtype=torch.bfloat16), B, qs).shape == (2, 0, 48)
+    out = torch.empty(0, 48, dtype=torch.bfloat16)
+    assert harness.matmul_4bit(torch.zeros(0, 96, dtype=torch.bfloat16), B, qs, out=out) is out
+
+
+# --- on the GPU --------------------------------------------------------------------------------
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _weights(N, K, quant_type, blocksize, nested, dtype, seed, device):
+    A, qs = cases.quantize_weights((N, K), quant_type, blocksize, nested, dtype, seed, device=device)
+    fields, nested_args = api.quant_state_args(qs)
+    absmax, bs, qt, shape, _ = fields
+    W = api.dequantize_packed(A, absmax, bs, qt, shape, dtype, **nested_args)  # our kernel's bits
+    return A, qs, W
+
+
+FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, True]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("quant_type", "dtype", "blocksize", "nested"), FORMATS, ids=str)
+@pytest.mark.parametrize(("N", "K"), [(48, 256), (200, 4096 + 96)], ids=["48x256", "200x4192"])
+@pytest.mark.parametrize("M", [1, 5, 8, 17, CROSSOVER_M])
+def test_one_hot_rows_give_the_dequantization_kernels_bits(
+    cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
+):
+    B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
+    A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
+    out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
+    harness.matmul_4bit(A, B.t(), qs, out=out)
+    expected = W[:, columns].t().contiguous() + 0.0  # a -0.0 weight sums to +0.0
+    assert_bit_exact(out, expected, f"one-hot {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_random_rows_stay_in_the_bound_and_no_worse_than_bitsandbytes(
+    cuda, bnb, run_seed, quant_type, nested, dtype, M, with_bias
+):
+    import bitsandbytes
+
+    N, K = 320, 2048
+    B, qs, W = _weights(N, K, quant_type, 64, nested, dtype, run_seed, cuda)
+    g = cases.seeded_generator(run_seed + M, cuda)
+    A = torch.randn(M, K, generator=g, device=cuda).to(dtype)
+    bias = torch.randn(N, generator=g, device=cuda).to(dtype) if with_bias else None
+    ref = mr.reference(A, W, bias, dtype)
+    ours = mr.judge(harness.matmul_4bit(A, B.t(), qs, bias=bias), ref)
+    theirs = mr.judge(bitsandbytes.matmul_4bit(A, B.t(), qs, bias=bias), ref)
+    assert ours.ok, ours
+    # "No worse" up to 1%: two fp32 summation orders of equal accuracy differ by chance.
+    assert ours.error_norm <= 1.01 * theirs.error_norm + 1e-6, (ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fallback_is_our_dequantization_and_f_linear_bit_for_bit(cuda, run_seed, dtype):
+    N, K = 96, 512
+    B, qs, W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
+    g = cases.seeded_generator(run_seed, cuda)
+    big = torch.randn(CROSSOVER_M + 1, K, generator=g, device=cuda).to(dtype)
+    misaligned = torch.randn(4 * K + 1, generator=g, device=cuda).to(dtype)[1:].view(4, K)
+    for name, A in (("above the crossover", big), ("misaligned", misaligned)):
+        assert_bit_exact(harness.matmul_4bit(A, B.t(), qs), torch.nn.functional.linear(A, W), name)
+    A = big[:8].clone().requires_grad_(True)
+    got = harness.matmul_4bit(A, B.t(), qs)
+    assert_bit_exact(got.detach(), torch.nn.functional.linear(A.detach(), W), "with gradients")
+    got.sum().backward()
+    assert_bit_exact(A.grad, torch.ones(8, N, dtype=dtype, device=cuda) @ W, "input gradient")
+
+
+@pytest.mark.gpu
+def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
+    import bitsandbytes
+
+    dtype, N, K = torch.bfloat16, 64, 256
+    B, qs, W = _weights(N, K, "nf4", 64, False, dtype, run_seed, cuda)
+    A = torch.randn(2, 3, K, device=cuda).to(dtype)  # [batch, tokens, features]
+    got = harness.matmul_4bit(A, B.t(), qs)
+    assert got.shape == (2, 3, N) and mr.judge(got, mr.reference(A, W, None, dtype)).ok
+    out = poison_(torch.empty(2, 3, N, dtype=dtype, device=cuda))
+    assert harness.matmul_4bit(A, B.t(), qs, out=out) is out
+    assert_bit_exact(out, got, "out=")
+    # A weight quantized from [K, N]: bitsandbytes uses it transposed (deprecated there).
+    Bt, qst = cases.quantize_weights((K, N + 32), "nf4", 64, False, dtype, run_seed, device=cuda)
+    A2 = torch.randn(4, K, device=cuda).to(dtype)
+    with pytest.warns(DeprecationWarning):
+        expected = bitsandbytes.matmul_4bit(A2, Bt.t(), qst)
+    assert_bit_exact(harness.matmul_4bit(A2, Bt.t(), qst), expected, "[K, N] weight")
+    assert harness.matmul_4bit(torch.empty(0, K, dtype=dtype, device=cuda), B.t(), qs).shape == (0, N)
