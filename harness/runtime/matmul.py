@@ -92,7 +92,7 @@ def _fused_takes(A, B, bias, out, N: int, K: int, blocksize: int) -> bool:
         and matmul_kernel.takes_shape(K, blocksize)
         and _aligned(A)
         and isinstance(B, torch.Tensor)
-        and B.is_cuda
+        and B.device == A.device  # the weight's own rules are checked by the dequantization call's
         and B.data_ptr() % matmul_kernel.ALIGN == 0
         and (
             bias is None or (bias.dtype == A.dtype and bias.device == A.device and bias.numel() == N and _aligned(bias))
