@@ -180,3 +180,22 @@ def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
         expected = bitsandbytes.matmul_4bit(A2, Bt.t(), qst)
     assert_bit_exact(harness.matmul_4bit(A2, Bt.t(), qst), expected, "[K, N] weight")
     assert harness.matmul_4bit(torch.empty(0, K, dtype=dtype, device=cuda), B.t(), qs).shape == (0, N)
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128)])
+def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K):
+    """tests/matmul_lanes.py transcribes the kernel's per-lane loads, nibble order, fragment slots
+    and epilogue; assembled by the PTX fragment layouts, they must compute A · Wᵀ."""
+    from harness.correctness.bitcompare import floats_from_bits
+    from harness.correctness.reference import NF4_BITS
+    from tests import matmul_lanes
+
+    g = torch.Generator().manual_seed(run_seed)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    packed = bytes((codes[:, 0::2] * 16 + codes[:, 1::2]).flatten().tolist())  # element 2i: high nibble
+    scales = torch.rand(N, K // 32, generator=g, dtype=torch.float64) + 0.5
+    code = floats_from_bits(NF4_BITS).double().tolist()
+    W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
+    A = torch.randn(M, K, generator=g, dtype=torch.float64)
+    got = matmul_lanes.emulate(A, packed, scales, code, N, K)
+    torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)

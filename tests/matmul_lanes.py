@@ -1,0 +1,104 @@
+"""The fused matmul kernel's data movement, lane by lane, in Python: which bytes each lane of a
+warp loads, how it splits them into mma fragments, and where the accumulators land, transcribed
+from kernels/matmul_4bit.cu; the mma itself is assembled from its fragments by the layout the PTX
+ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
+
+It proves the kernel's index arithmetic (the k permutation shared by both operands, the nibble
+order, the fragment slots, the epilogue) without a GPU; it cannot prove the compiled code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEP_K = 128
+
+
+def a_fragment_position(lane: int, reg: int, half: int) -> tuple[int, int]:
+    """(row, col) of operand A (16 x 16) held by ``lane`` in register ``reg``, half ``half``."""
+    g, t = lane // 4, lane % 4
+    row = g + 8 * (reg % 2)
+    col = 2 * t + half + 8 * (reg // 2)
+    return row, col
+
+
+def b_fragment_position(lane: int, reg: int, half: int) -> tuple[int, int]:
+    """(k, n) of operand B (16 x 8) held by ``lane`` in register ``reg``, half ``half``."""
+    g, t = lane // 4, lane % 4
+    return 2 * t + half + 8 * reg, g
+
+
+def c_fragment_position(lane: int, index: int) -> tuple[int, int]:
+    """(row, col) of the accumulator (16 x 8) held by ``lane`` at ``index`` (0-3)."""
+    g, t = lane // 4, lane % 4
+    return g + 8 * (index // 2), 2 * t + index % 2
+
+
+def decode_pair(pair: int, scale: float, code: list[float]) -> tuple[float, float, float, float]:
+    """The kernel's decode_frag for one feature: values at k+0, k+1 (byte 2j) and k+2, k+3 (byte 2j+1)."""
+    return (
+        code[(pair >> 4) & 0xF] * scale,
+        code[pair & 0xF] * scale,
+        code[(pair >> 12) & 0xF] * scale,
+        code[(pair >> 8) & 0xF] * scale,
+    )
+
+
+def emulate(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int) -> torch.Tensor:
+    """out [M, N] in float64 as one warp per 16 features computes it, K split in steps of 128.
+    ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded here
+    (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
+    M = A.shape[0]
+    act = A.double()
+    out = torch.zeros(M, N, dtype=torch.float64)
+    tiles = -(-M // 8)
+    for n0 in range(0, N, 16):
+        for step in range(-(-K // STEP_K)):
+            for tile in range(tiles):
+                m0 = tile * 8
+                acc = torch.zeros(16, 8, dtype=torch.float64)
+                for j in range(8):  # mma j of the step
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        k = step * STEP_K + 32 * t
+                        regs_a = [[0.0, 0.0] for _ in range(4)]
+                        if k < K:
+                            decoded = {}
+                            for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
+                                if n < N:
+                                    row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
+                                    word = int.from_bytes(row[4 * (j >> 1) : 4 * (j >> 1) + 4], "little")
+                                    pair = (word >> (16 * (j & 1))) & 0xFFFF
+                                    decoded[which] = decode_pair(pair, float(scales[n, k // 32]), code)
+                                else:
+                                    decoded[which] = (0.0, 0.0, 0.0, 0.0)
+                            lo, hi = decoded["lo"], decoded["hi"]
+                            regs_a = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
+                        for reg in range(4):
+                            for half in range(2):
+                                r, c = a_fragment_position(lane, reg, half)
+                                a[r, c] = regs_a[reg][half]
+                        # Activations: 8 elements at k + 8q (q = j // 2), halves .x .y (h = 0) or .z .w.
+                        m = m0 + g
+                        q, h = j // 2, j % 2
+                        if k < K and m < M:
+                            elems = act[m, k + 8 * q : k + 8 * q + 8]
+                        else:
+                            elems = torch.zeros(8, dtype=torch.float64)
+                        regs_b = [[elems[4 * h], elems[4 * h + 1]], [elems[4 * h + 2], elems[4 * h + 3]]]
+                        for reg in range(2):
+                            for half in range(2):
+                                kk, nn = b_fragment_position(lane, reg, half)
+                                b[kk, nn] = regs_b[reg][half]
+                    acc += a @ b
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for index in range(4):
+                        r, c = c_fragment_position(lane, index)
+                        assert (r, c) == (g + 8 * (index >= 2), 2 * t + (index & 1))  # the kernel's epilogue
+                        n, m = n0 + r, m0 + c
+                        if m < M and n < N:
+                            out[m, n] += acc[r, c]
+    return out
