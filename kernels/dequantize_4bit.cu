@@ -1,13 +1,6 @@
-// Blockwise 4-bit (NF4 / FP4) dequantization in the bitsandbytes storage format.
-//
-// Layout (bitsandbytes): element 2i is the high nibble of byte i, element 2i+1 the low nibble.
-// Element e belongs to quantization block e >> BS_LOG2 and is code[nibble] * scale[block],
-// multiplied in fp32 and rounded once to the output type (round-to-nearest-even).
-// Nested ("double-quantized") scales: scale[b] = code2[q[b]] * absmax2[b >> BS2_LOG2] + offset,
-// each an fp32 operation with its own rounding, exactly as bitsandbytes' three-step path.
-// bitsandbytes' CUDA library is built flush-to-zero: both of its multiplies treat subnormal
-// inputs and results as signed zeros (measured on an H100 with 0.50.2), so ours use mul.ftz.
-// The offset add is a PyTorch op there and keeps subnormals, so ours is a plain add.
+// Blockwise 4-bit (NF4 / FP4) dequantization in the bitsandbytes storage format
+// (kernels/format_4bit.cuh states the format and its arithmetic), rounded once to the output type
+// (round-to-nearest-even).
 //
 // Following arXiv 2604.02556 the 16-entry code table is staged once per thread block in shared
 // memory (64 bytes) and indexed directly by the nibble; the nested path stages its 256-entry
@@ -54,31 +47,8 @@ typedef u32 in_t;  // 8 codes -> 8 fp16/bf16 = one 16-byte store
 #endif
 #define CHUNK (1 << CHUNK_LOG2)
 
-// IEEE-754 bit patterns of bitsandbytes' CUDA code tables (csrc/kernels.cu). Bits, not decimal
-// literals, so no compiler can round them differently. FP4 index 8 is -0.0: the CUDA kernel
-// computes 0 * sign with sign = -1 there. Written to shared memory as immediates: staging the
-// table reads no memory, so it adds no latency before the first decode.
-#if DQ_QUANT == 0
-#define CODE_0_3 0xbf800000u, 0xbf3239b1u, 0xbf066b30u, 0xbeca32a0u
-#define CODE_4_7 0xbe91a24du, 0xbe3d353fu, 0xbdba7871u, 0x00000000u
-#define CODE_8_11 0x3da2faffu, 0x3e24cae3u, 0x3e7c04ddu, 0x3ead033au
-#define CODE_12_15 0x3ee1a4b8u, 0x3f1007abu, 0x3f3913b3u, 0x3f800000u
-#elif DQ_QUANT == 1
-#define CODE_0_3 0x00000000u, 0x3baaaaabu, 0x3f2aaaabu, 0x3f800000u
-#define CODE_4_7 0x3eaaaaabu, 0x3f000000u, 0x3e2aaaabu, 0x3e800000u
-#define CODE_8_11 0x80000000u, 0xbbaaaaabu, 0xbf2aaaabu, 0xbf800000u
-#define CODE_12_15 0xbeaaaaabu, 0xbf000000u, 0xbe2aaaabu, 0xbe800000u
-#else
-#error "unknown DQ_QUANT"
-#endif
-
-// fp32 multiply, round-to-nearest-even, subnormal inputs and result flushed to signed zero.
-__device__ __forceinline__ float mul_ftz(float a, float b) {
-    float r;
-    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
+#define FMT_QUANT DQ_QUANT
+#include "format_4bit.cuh"
 
 __device__ __forceinline__ out_t to_out(float v) {
 #if DQ_OUT == 0
@@ -135,9 +105,7 @@ __device__ __forceinline__ ScaleRaw load_scale(const void* absmax, const float* 
 
 __device__ __forceinline__ float decode_scale(const ScaleRaw& r, const Tables& t) {
 #if DQ_NESTED
-    // Two separately rounded fp32 ops, never contracted into an FMA: bitsandbytes does the
-    // multiply in its 8-bit dequantize kernel and the add as a separate torch op.
-    return __fadd_rn(mul_ftz(t.code2[r.q], r.absmax2), t.offset);
+    return nested_scale(t.code2[r.q], r.absmax2, t.offset);
 #else
     (void)t;
     return r.absmax;
@@ -219,13 +187,7 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(
     t.code = s_code;
     t.code2 = nullptr;
     t.offset = 0.0f;
-    if (threadIdx.x == 0) {
-        uint4* d = reinterpret_cast<uint4*>(s_code);
-        d[0] = make_uint4(CODE_0_3);
-        d[1] = make_uint4(CODE_4_7);
-        d[2] = make_uint4(CODE_8_11);
-        d[3] = make_uint4(CODE_12_15);
-    }
+    if (threadIdx.x == 0) stage_code_table(s_code);
 #if DQ_NESTED
     for (int i = threadIdx.x; i < 256; i += DQ_THREADS) s_code2[i] = __ldg(code2 + i);
     t.code2 = s_code2;

@@ -15,7 +15,8 @@
 // contiguous bytes of token g (four 16-byte loads through the read-only cache, shared by every
 // warp of the grid).
 //
-// Each decoded weight is code[nibble] * scale in fp32 (mul.ftz, as bitsandbytes' library) rounded
+// Each decoded weight is code[nibble] * scale in fp32 (format_4bit.cuh, as the dequantization
+// kernel computes it) rounded
 // once to A's dtype: the dequantization kernel's bits, so with a one-hot activation row the output
 // is that weight exactly. Products of fp16/bf16 are exact in fp32; sums are fp32 (mma accumulators,
 // then one atomic add per split of K into an fp32 workspace); matmul_4bit_finish adds the bias in
@@ -52,25 +53,8 @@ typedef __nv_bfloat16 elem_t;
 #error "unknown MM_DTYPE"
 #endif
 
-// The code tables, bit for bit those of kernels/dequantize_4bit.cu (tests/test_compile.py checks
-// both against harness/correctness/reference.py).
-#if MM_QUANT == 0
-__constant__ u32 c_code_bits[16] = {
-    0xbf800000u, 0xbf3239b1u, 0xbf066b30u, 0xbeca32a0u, 0xbe91a24du, 0xbe3d353fu, 0xbdba7871u, 0x00000000u,
-    0x3da2faffu, 0x3e24cae3u, 0x3e7c04ddu, 0x3ead033au, 0x3ee1a4b8u, 0x3f1007abu, 0x3f3913b3u, 0x3f800000u};
-#elif MM_QUANT == 1
-__constant__ u32 c_code_bits[16] = {
-    0x00000000u, 0x3baaaaabu, 0x3f2aaaabu, 0x3f800000u, 0x3eaaaaabu, 0x3f000000u, 0x3e2aaaabu, 0x3e800000u,
-    0x80000000u, 0xbbaaaaabu, 0xbf2aaaabu, 0xbf800000u, 0xbeaaaaabu, 0xbf000000u, 0xbe2aaaabu, 0xbe800000u};
-#else
-#error "unknown MM_QUANT"
-#endif
-
-__device__ __forceinline__ float mul_ftz(float a, float b) {
-    float r;
-    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define FMT_QUANT MM_QUANT
+#include "format_4bit.cuh"
 
 // Two decoded weights (the lower k in the low half), each rounded to nearest even.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -103,7 +87,7 @@ __device__ __forceinline__ float scale_of(i64 e, const void* absmax, const float
     const i64 block = e >> bs_log2;
 #if MM_NESTED
     const unsigned char q = __ldg(static_cast<const unsigned char*>(absmax) + block);
-    return __fadd_rn(mul_ftz(__ldg(code2 + q), __ldg(absmax2 + (block >> bs2_log2))), offset);
+    return nested_scale(__ldg(code2 + q), __ldg(absmax2 + (block >> bs2_log2)), offset);
 #else
     (void)code2;
     (void)absmax2;
@@ -140,8 +124,8 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
     const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
     float offset_value, float* __restrict__ partial, i64 M, int N, int K, int bs_log2, int bs2_log2,
     int steps_per_split) {
-    __shared__ float s_code[16];
-    if (threadIdx.x < 16) s_code[threadIdx.x] = __uint_as_float(c_code_bits[threadIdx.x]);
+    __shared__ __align__(16) float s_code[16];
+    if (threadIdx.x == 0) stage_code_table(s_code);
     __syncthreads();
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

@@ -14,7 +14,6 @@ import sys
 import pytest
 
 from harness import settings
-from harness.errors import KernelCompileError, ToolchainMissingError
 from harness.runtime import jit, matmul_kernel
 from harness.runtime.dequantize_kernel import ENTRY, all_variants
 
@@ -74,61 +73,11 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
     assert resources[matmul_kernel.ENTRY]["shared_bytes"] == 64  # the 16-entry code table
 
 
-@pytest.mark.parametrize("source", ["dequantize_4bit.cu", "matmul_4bit.cu"])
-def test_every_kernel_holds_the_reference_code_tables(source):
-    """The code tables are written into each kernel as bits; each must be the format's."""
+def test_every_kernel_takes_the_code_tables_from_the_one_header():
+    """The tables are written as bits once, in kernels/format_4bit.cuh (tests/test_reference_cpu.py
+    holds them to the reference); no kernel carries a copy."""
     import re
 
-    from harness.correctness.reference import FP4_BITS, NF4_BITS
-
-    text = (jit.kernels_dir() / source).read_text()
-    words = [int(w, 16) for w in re.findall(r"0x([0-9a-f]{8})u", text)]
-    tables = [tuple(words[i : i + 16]) for i in range(0, len(words) - 15, 16)]
-    assert NF4_BITS in tables and FP4_BITS in tables
-
-
-def test_compile_error_carries_the_nvrtc_log(tmp_path):
-    bad = tmp_path / "bad.cu"
-    bad.write_text('extern "C" __global__ void k() { this_is_not_declared = 1; }\n')
-    with pytest.raises(KernelCompileError) as info:
-        jit.compile_kernel(jit.CompileSpec(bad, "sm_90"), use_cache=False)
-    assert "this_is_not_declared" in str(info.value)
-    assert "identifier" in info.value.log
-
-
-def test_missing_macro_is_a_compile_error_not_a_crash():
-    spec = jit.CompileSpec(jit.kernels_dir() / "dequantize_4bit.cu", "sm_80", macros=(("DQ_OUT", "0"),))
-    with pytest.raises(KernelCompileError, match="must be defined by the compile spec"):
-        jit.compile_kernel(spec, use_cache=False)
-
-
-def test_missing_headers_name_the_package(monkeypatch):
-    import cuda.pathfinder
-
-    jit.cuda_include_dir.cache_clear()
-    monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory", lambda name: None)
-    try:
-        with pytest.raises(ToolchainMissingError, match="nvidia-cuda-runtime"):
-            jit.cuda_include_dir()
-    finally:
-        jit.cuda_include_dir.cache_clear()
-
-
-def test_missing_nvrtc_names_the_package(monkeypatch):
-    from cuda.bindings import nvrtc
-
-    def broken():
-        raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
-
-    jit.nvrtc_version.cache_clear()
-    monkeypatch.setattr(nvrtc, "nvrtcVersion", broken)
-    try:
-        with pytest.raises(ToolchainMissingError, match="nvidia-cuda-nvrtc"):
-            jit.nvrtc_version()
-    finally:
-        jit.nvrtc_version.cache_clear()
-
-
-def test_arch_is_validated():
-    with pytest.raises(ValueError, match="sm_90"):
-        jit.CompileSpec(jit.kernels_dir() / "dequantize_4bit.cu", "compute_90")
+    for source in ("dequantize_4bit.cu", "matmul_4bit.cu"):
+        text = (jit.kernels_dir() / source).read_text()
+        assert '#include "format_4bit.cuh"' in text and not re.search(r"0x[0-9a-f]{8}u", text), source

@@ -325,6 +325,8 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     from harness.perf.session import JUDGE_ROOT
 
     original = (JUDGE_ROOT / planted.KERNEL).read_text()
+    header = JUDGE_ROOT / planted.KERNEL.parent / "format_4bit.cuh"
+    (tmp_path / header.name).write_text(header.read_text())  # the kernel's include, beside the copies
     source[0].write_text(planted.planted_source(original, 0.02))
     source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
     assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()

@@ -81,11 +81,11 @@ def test_tables_match_bitsandbytes_up_to_fp4_signed_zero(bnb, quant_type):
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_kernel_source_tables_are_the_reference_tables(quant_type):
-    """The .cu file carries the same 16 bit patterns as the reference, in order."""
-    source = (kernels_dir() / "dequantize_4bit.cu").read_text()
+    """The kernels' shared header carries the same 16 bit patterns as the reference, in order."""
+    source = (kernels_dir() / "format_4bit.cuh").read_text()
     index = {"nf4": 0, "fp4": 1}[quant_type]
     # The four CODE_* macros under this quant type's #if, in order.
-    block = re.search(rf"#(?:el)?if DQ_QUANT == {index}\s*\n((?:#define CODE_\w+ [^\n]*\n){{4}})", source)
+    block = re.search(rf"#(?:el)?if FMT_QUANT == {index}\s*\n((?:#define CODE_\w+ [^\n]*\n){{4}})", source)
     assert block, "table not found in kernel source"
     bits = tuple(int(x, 16) for x in re.findall(r"0x([0-9a-fA-F]{8})u", block.group(1)))
     assert bits == reference.CODE_BITS[quant_type]
