@@ -117,6 +117,25 @@ __device__ __forceinline__ uint4 load_activations(const elem_t* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+// One step's weights of a lane: 16 packed bytes and the scale of each of its two features.
+struct StepWeights {
+    uint4 lo, hi;
+    float s_lo, s_hi;
+};
+
+// A step at or past K (the pipeline's last prefetch) loads nothing and decodes to zeros.
+__device__ __forceinline__ void load_step(StepWeights& w, int step, const unsigned char* __restrict__ W,
+                                          const void* absmax, const float* code2, const float* absmax2, float offset,
+                                          int n_lo, int n_hi, int N, int K, int t, int bs_log2, int bs2_log2) {
+    const int k = step * STEP_K + 32 * t;
+    const bool lo_ok = k < K && n_lo < N, hi_ok = k < K && n_hi < N;
+    w.lo = load_weights(W + ((i64)n_lo * K + k) / 2, lo_ok);
+    w.hi = load_weights(W + ((i64)n_hi * K + k) / 2, hi_ok);
+    // A lane's 32 k never straddle a scale block: 32-aligned, and block sizes are >= 32.
+    w.s_lo = lo_ok ? scale_of((i64)n_lo * K + k, absmax, code2, absmax2, offset, bs_log2, bs2_log2) : 0.0f;
+    w.s_hi = hi_ok ? scale_of((i64)n_hi * K + k, absmax, code2, absmax2, offset, bs_log2, bs2_log2) : 0.0f;
+}
+
 // Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 128 k),
 // z = tiles of MM_TOKENS tokens. Partial sums go to `partial` [M, N] (fp32, zeroed) by atomic add.
 extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
@@ -146,18 +165,18 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
 #pragma unroll
     for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
+    // Software-pipelined: the next step's weights and scales are in flight while this one decodes.
+    StepWeights cur;
+    load_step(cur, first < last ? first : steps, W, absmax, code2, absmax2, offset, n_lo, n_hi, N, K, t, bs_log2,
+              bs2_log2);
     for (int step = first; step < last; ++step) {
+        StepWeights next;
+        load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, code2, absmax2, offset, n_lo, n_hi, N, K, t,
+                  bs_log2, bs2_log2);
         const int k = step * STEP_K + 32 * t;  // this lane's first k
         const bool k_ok = k < K;               // K % 32 == 0: a lane's 32 k are all in or all out
-        const uint4 w_lo = load_weights(W + ((i64)n_lo * K + k) / 2, k_ok && n_lo < N);
-        const uint4 w_hi = load_weights(W + ((i64)n_hi * K + k) / 2, k_ok && n_hi < N);
-        // A lane's 32 k never straddle a scale block: 32-aligned, and block sizes are >= 32.
-        const float s_lo = (k_ok && n_lo < N) ? scale_of((i64)n_lo * K + k, absmax, code2, absmax2, offset, bs_log2,
-                                                         bs2_log2)
-                                              : 0.0f;
-        const float s_hi = (k_ok && n_hi < N) ? scale_of((i64)n_hi * K + k, absmax, code2, absmax2, offset, bs_log2,
-                                                         bs2_log2)
-                                              : 0.0f;
+        const uint4 w_lo = cur.lo, w_hi = cur.hi;
+        const float s_lo = cur.s_lo, s_hi = cur.s_hi;
         const u32 lo[4] = {w_lo.x, w_lo.y, w_lo.z, w_lo.w}, hi[4] = {w_hi.x, w_hi.y, w_hi.z, w_hi.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // 16-byte quarter q of the lane's 64 activation bytes: mmas 2q, 2q+1
@@ -181,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
                 }
             }
         }
+        cur = next;
     }
 
     // Accumulator (i, c): feature n_lo (c < 2) or n_hi, token m0 + 8i + 2t + (c & 1).
