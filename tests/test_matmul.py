@@ -199,3 +199,31 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     A = torch.randn(M, K, generator=g, dtype=torch.float64)
     got = matmul_lanes.emulate(A, packed, scales, code, N, K)
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_it_traces_in_one_graph_to_the_ops_checks():
+    """torch.compile(fullgraph=True) of a function calling harness.matmul_4bit: TorchDynamo must
+    trace into the registered op (a graph break raises Unsupported), whose fake implementation
+    then rejects host tensors with eager mode's message."""
+    A, B = torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8)
+    qs = _host_state()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"DequantizeInputError\('A must be on a CUDA device") as info:
+        torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs), backend="eager", fullgraph=True)(A)
+    assert not isinstance(info.value, torch._dynamo.exc.Unsupported)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, CROSSOVER_M + 1])
+def test_the_compiled_call_gives_the_eager_bits(cuda, run_seed, M):
+    dtype, N, K = torch.bfloat16, 96, 512
+    B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
+    A = torch.randn(M, K, device=cuda).to(dtype)
+    bias = torch.randn(N, device=cuda).to(dtype)
+    eager = harness.matmul_4bit(A, B.t(), qs, bias=bias)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs, bias=bias), fullgraph=True)(A)
+    assert_bit_exact(compiled, eager, f"compiled M={M}")
+    A.requires_grad_(True)
+    torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs).sum(), fullgraph=True)(A).backward()
+    assert A.grad is not None and A.grad.shape == A.shape

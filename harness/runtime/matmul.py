@@ -23,6 +23,7 @@ from harness.runtime import api, matmul_kernel
 # measured against the fallback on any GPU (kernels/NOTES.md, "Fused matmul").
 CROSSOVER_M = 64
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_is_compiling = torch.compiler.is_compiling
 
 
 def _fail(message: str):
@@ -39,6 +40,7 @@ def matmul_4bit(
     """``bitsandbytes.matmul_4bit``'s drop-in: the same arguments and result shape, ``out``
     filled and returned when given; a weight quantized as ``[K, N]`` is used transposed, an empty
     ``A`` returns an empty result. CUDA tensors only (the fallback dequantizes with our kernel).
+    Under ``torch.compile(fullgraph=True)`` it is one registered op (``nf4_harness::matmul_4bit``).
 
     Raises:
         DequantizeInputError: (a ValueError) for anything neither path takes, before any launch.
@@ -50,17 +52,33 @@ def matmul_4bit(
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
     if out is not None and not isinstance(out, torch.Tensor):
         _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if _is_compiling():
+        return _into(out, torch_op.matmul_call(A, B, quant_state, bias))
     fields, nested = api.quant_state_args(quant_state)
-    absmax, blocksize, quant_type, shape, _dtype = fields
+    return matmul_parts(A, B, fields, nested, out, bias)
+
+
+def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:
+    """(output features, weight quantized as [K, N]) for activations ``A`` and a weight of ``shape``."""
     if len(shape) != 2:
         _fail("matmul_4bit: quant_state.shape must be 2D [N, K]")
     K = A.shape[-1] if A.dim() else _fail("A must have at least one dimension")
     if K == shape[0] and K != shape[1]:  # quantized from [K, N]: bitsandbytes uses it transposed
-        W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
-        return _into(out, torch.nn.functional.linear(A, W.t(), bias))
-    N = shape[0]
+        return shape[1], True
     if K != shape[1]:
         _fail(f"A has {K} features but the weight takes {shape[1]} (quant_state.shape {tuple(shape)})")
+    return shape[0], False
+
+
+def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torch.Tensor:
+    """``matmul_4bit`` on a quant state read into ``api.quant_state_args``' form: what the
+    drop-in and its registered op (``torch_op``) both run."""
+    absmax, blocksize, quant_type, shape, _dtype = fields
+    N, transposed = result_features(A, shape)
+    if transposed:
+        W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
+        return _into(out, torch.nn.functional.linear(A, W.t(), bias))
+    K = A.shape[-1]
     needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
     if not needs_grad:
         if A.numel() == 0:
@@ -121,3 +139,7 @@ def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
             call.blocksize2,
         )  # fmt: skip
     return target if direct or out is None else _into(out, target)
+
+
+# Last: the registered op calls back into this module (a circular import that resolves here).
+from harness.runtime import torch_op  # noqa: E402

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.runtime import api, patch
+from harness.runtime import api, matmul, patch
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 
 
@@ -83,6 +83,32 @@ def _dequantize_4bit_out_fake(
     _check(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
 
 
+def matmul_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
+    return matmul.matmul_parts(A, B, (absmax, blocksize, quant_type, shape, A.dtype), nested, None, bias)
+
+
+def _matmul_4bit_fake(
+    A, B, absmax, blocksize, quant_type, shape, code2, absmax2, blocksize2, offset, offset_value, bias
+):
+    features, _transposed = matmul.result_features(A, shape)
+    _check(B, absmax, blocksize, quant_type, shape, A.dtype, None, code2, absmax2, blocksize2, offset, offset_value)
+    return A.new_empty((*A.shape[:-1], features))
+
+
 def _register() -> None:
     if hasattr(torch.ops.nf4_harness, "dequantize_4bit"):
         return  # another copy of harness in this process registered them
@@ -90,6 +116,8 @@ def _register() -> None:
     op.register_fake(_dequantize_4bit_fake)
     op_out = torch.library.custom_op("nf4_harness::dequantize_4bit_out", dequantize_4bit_out, mutates_args=("out",))
     op_out.register_fake(_dequantize_4bit_out_fake)
+    op_matmul = torch.library.custom_op("nf4_harness::matmul_4bit", matmul_4bit, mutates_args=())
+    op_matmul.register_fake(_matmul_4bit_fake)
 
 
 _register()
@@ -118,6 +146,31 @@ def takes(A, quant_state) -> bool:
     return True
 
 
+def _state_args(quant_state, dtype) -> tuple:
+    """A quant state's fields as the ops' arguments after ``A`` (the nested ones included)."""
+    offset, offset_value, code2, absmax2, blocksize2 = None, 0.0, None, None, 0
+    if quant_state.nested:
+        state2 = quant_state.state2
+        code2, absmax2, blocksize2 = state2.code, state2.absmax, state2.blocksize
+        if isinstance(quant_state.offset, torch.Tensor):
+            offset = quant_state.offset
+        else:
+            offset_value = float(quant_state.offset)
+    shape = list(quant_state.shape)
+    return (
+        quant_state.absmax,
+        quant_state.blocksize,
+        quant_state.quant_type,
+        shape,
+        dtype,
+        code2,
+        absmax2,
+        blocksize2,
+        offset,
+        offset_value,
+    )
+
+
 def call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"):
     """The traced equivalent of ``api.dequantize_4bit``, same arguments."""
     if quant_state is None:
@@ -127,30 +180,23 @@ def call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"
         args = (A, absmax, blocksize, quant_type, list(out.shape), out.dtype, None, None, 0, None, 0.0)
         torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
         return api.transposed_like_bitsandbytes(A, out)
-    offset, offset_value, code2, absmax2, blocksize2 = None, 0.0, None, None, 0
-    if quant_state.nested:
-        state2 = quant_state.state2
-        code2, absmax2, blocksize2 = state2.code, state2.absmax, state2.blocksize
-        if isinstance(quant_state.offset, torch.Tensor):
-            offset = quant_state.offset
-        else:
-            offset_value = float(quant_state.offset)
-    args = (
-        A,
-        quant_state.absmax,
-        quant_state.blocksize,
-        quant_state.quant_type,
-        list(quant_state.shape),
-        quant_state.dtype,
-        code2,
-        absmax2,
-        blocksize2,
-        offset,
-        offset_value,
-    )
+    args = (A, *_state_args(quant_state, quant_state.dtype))
     if out is None:
         result = torch.ops.nf4_harness.dequantize_4bit(*args)
     else:
         torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
         result = out
     return api.transposed_like_bitsandbytes(A, result)
+
+
+def matmul_call(A, B, quant_state, bias):
+    """The traced equivalent of ``matmul.matmul_4bit`` without ``out``: with gradients, our
+    dequantization op and an F.linear autograd differentiates; without, one matmul op."""
+    needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+    if needs_grad:
+        state = _state_args(quant_state, A.dtype)
+        W = torch.ops.nf4_harness.dequantize_4bit(B, *state)
+        _features, transposed = matmul.result_features(A, quant_state.shape)
+        return torch.nn.functional.linear(A, W.t() if transposed else W, bias)
+    absmax, blocksize, quant_type, shape, _dtype, *nested = _state_args(quant_state, A.dtype)
+    return torch.ops.nf4_harness.matmul_4bit(A, B, absmax, blocksize, quant_type, shape, *nested, bias)
