@@ -227,3 +227,27 @@ def test_the_compiled_call_gives_the_eager_bits(cuda, run_seed, M):
     A.requires_grad_(True)
     torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs).sum(), fullgraph=True)(A).backward()
     assert A.grad is not None and A.grad.shape == A.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, CROSSOVER_M])
+def test_the_matmul_mode_of_the_patch_routes_gemm_4bit_to_the_fused_kernel(cuda, bnb, run_seed, M):
+    """patch_bitsandbytes(matmul=True): bitsandbytes' matmul_4bit (inference, and the training
+    forward through its gemm_4bit op) runs ours for few rows; the default mode runs its own kernel."""
+    import bitsandbytes
+
+    from harness.runtime import patch
+
+    dtype, N, K = torch.bfloat16, 320, 1024
+    B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
+    A = torch.randn(M, K, device=cuda).to(dtype)
+    unpatched = bitsandbytes.matmul_4bit(A, B.t(), qs)
+    with harness.bitsandbytes_patched():
+        assert_bit_exact(bitsandbytes.matmul_4bit(A, B.t(), qs), unpatched, "default mode")
+    before = patch.routed_calls().get("gemm_4bit fused: ours", 0)
+    with harness.bitsandbytes_patched(matmul=True):
+        got = bitsandbytes.matmul_4bit(A, B.t(), qs)
+        trained = bitsandbytes.matmul_4bit(A.clone().requires_grad_(True), B.t(), qs)
+    assert patch.routed_calls().get("gemm_4bit fused: ours", 0) - before == 2
+    assert_bit_exact(got, harness.matmul_4bit(A, B.t(), qs), "matmul mode")
+    assert_bit_exact(trained.detach(), got, "training forward")

@@ -177,8 +177,15 @@ def _proven_cuda_ops(name: str = patch.CUDA_OPS, **replace) -> types.ModuleType:
         mod.calls.append(("fallback", A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code))
         return "bnb"
 
+    def _gemm_4bit_kernel_impl(
+        A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
+    ):
+        mod.calls.append(("kernel", A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code))
+        return "bnb kernel"
+
     mod._dequantize_4bit_impl = _dequantize_4bit_impl
     mod._dequant_linear_fallback = _dequant_linear_fallback
+    mod._gemm_4bit_kernel_impl = _gemm_4bit_kernel_impl
     for attr, value in replace.items():
         if value is None:
             delattr(mod, attr)
@@ -194,16 +201,52 @@ def cuda_ops(F, monkeypatch):
     return mod
 
 
-def test_every_seam_is_rebound_and_undo_restores_each(F, cuda_ops):
+@pytest.mark.parametrize("matmul", [False, True], ids=["default", "matmul"])
+def test_every_seam_of_the_mode_is_rebound_and_undo_restores_each(F, cuda_ops, matmul):
     originals = {s: getattr(sys.modules[s.module], s.name) for s in patch.SEAMS}
-    assert harness.patch_bitsandbytes() is True
+    patched = {s for s in patch.SEAMS if matmul or not s.matmul_only}
+    assert harness.patch_bitsandbytes(matmul=matmul) is True
     for seam, original in originals.items():
         wrapper = getattr(sys.modules[seam.module], seam.name)
-        assert wrapper is not original and wrapper.__wrapped__ is original, seam.name
-    assert {(m.__name__, n) for m, n, _ in patch._rebound} == {(s.module, s.name) for s in patch.SEAMS}
+        if seam in patched:
+            assert wrapper is not original and wrapper.__wrapped__ is original, seam.name
+        else:  # the default mode leaves bitsandbytes' fused kernel alone: no output bit changes
+            assert wrapper is original, seam.name
+    assert {(m.__name__, n) for m, n, _ in patch._rebound} == {(s.module, s.name) for s in patched}
     harness.unpatch_bitsandbytes()
     for seam, original in originals.items():
         assert getattr(sys.modules[seam.module], seam.name) is original, seam.name
+
+
+def test_switching_modes_replaces_the_patch_and_the_context_restores_the_one_before(F, cuda_ops):
+    kernel_seam = next(s for s in patch.SEAMS if s.matmul_only)
+    original = getattr(cuda_ops, kernel_seam.name)
+    assert harness.patch_bitsandbytes() and getattr(cuda_ops, kernel_seam.name) is original
+    with harness.bitsandbytes_patched(matmul=True):
+        assert getattr(cuda_ops, kernel_seam.name).__wrapped__ is original
+    assert patch.is_patched() and getattr(cuda_ops, kernel_seam.name) is original  # back to the default mode
+    harness.unpatch_bitsandbytes()
+
+
+def test_in_matmul_mode_gemm_4bit_runs_the_fused_kernel_where_it_takes_the_call(F, cuda_ops, monkeypatch):
+    from harness.runtime import matmul
+
+    seen = []
+    monkeypatch.setattr(matmul, "try_fused", lambda *a: seen.append(a) or "fused" if a[0] == "small" else None)
+    with harness.bitsandbytes_patched(matmul=True):
+        args = (None, "B", (6, 4), "absmax2", 64, "nf4", "bias", "codes", "code", "offset")
+        A_small, A_big = _Rows("small"), _Rows("big")
+        assert cuda_ops._gemm_4bit_kernel_impl(A_small, *args[1:]) == "fused"
+        assert cuda_ops._gemm_4bit_kernel_impl(A_big, *args[1:]) == "bnb kernel"  # not ours: bitsandbytes' kernel
+    fields, nested = seen[0][2], seen[0][3]
+    assert fields == ("codes", 64, "nf4", (6, 4), "dtype") and nested["blocksize2"] == 256
+    assert nested["code2"] == "code" and nested["absmax2"] == "absmax2" and nested["offset"] == "offset"
+
+
+class _Rows(str):
+    """An activation stand-in: a name the test routes on, and a dtype."""
+
+    dtype = "dtype"
 
 
 @pytest.mark.parametrize(

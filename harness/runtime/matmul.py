@@ -83,10 +83,24 @@ def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torc
     if not needs_grad:
         if A.numel() == 0:
             return out if out is not None else A.new_empty((*A.shape[:-1], N))
-        if _fused_takes(A, B, bias, out, N, K, blocksize):
+        if _fused_takes(A, B, bias, N, K, blocksize):
             return _fused(A, B, fields, nested, bias, out, N, K)
     W = api.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
     return _into(out, torch.nn.functional.linear(A, W, bias))
+
+
+def try_fused(A, B, fields: tuple, nested: dict, bias=None) -> torch.Tensor | None:
+    """The fused kernel's result for an [N, K] weight where it takes the call (no gradients
+    needed), else None: for callers with a fallback of their own (the bitsandbytes patch)."""
+    blocksize, shape = fields[1], fields[3]
+    if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    N, K = shape[0], shape[1]
+    if not _fused_takes(A, B, bias, N, K, blocksize):
+        return None
+    return _fused(A, B, fields, nested, bias, None, N, K)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -100,7 +114,7 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % matmul_kernel.ALIGN == 0
 
 
-def _fused_takes(A, B, bias, out, N: int, K: int, blocksize: int) -> bool:
+def _fused_takes(A, B, bias, N: int, K: int, blocksize: int) -> bool:
     """Whether the fused kernel computes this call; the rest is the fallback's, not an error."""
     M = A.numel() // K
     return (

@@ -65,7 +65,13 @@ class Seam:
     signature: tuple[str, ...]
     label: str  # the key of its counts in routed_calls()
     needs_cuda: bool  # its module exists only where bitsandbytes loaded its CUDA backend
+    matmul_only: bool = False  # patched only with patch_bitsandbytes(matmul=True)
 
+
+# The arguments of gemm_4bit's two paths (its fused kernel and its dequantize + F.linear fallback).
+GEMM_SIGNATURE = (
+    "A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code", "absmax_offset",
+)  # fmt: skip
 
 SEAMS = (
     Seam(
@@ -78,18 +84,7 @@ SEAMS = (
     Seam(
         CUDA_OPS,
         "_dequant_linear_fallback",
-        (
-            "A",
-            "B",
-            "shapeB",
-            "absmax",
-            "blocksize",
-            "quant_type",
-            "bias",
-            "absmax_8bit",
-            "absmax_code",
-            "absmax_offset",
-        ),
+        GEMM_SIGNATURE,
         "gemm_4bit fallback",
         needs_cuda=True,
     ),
@@ -100,6 +95,14 @@ SEAMS = (
         "dequantize_4bit op",
         needs_cuda=True,
     ),
+    Seam(
+        CUDA_OPS,
+        "_gemm_4bit_kernel_impl",
+        GEMM_SIGNATURE,
+        "gemm_4bit kernel",
+        needs_cuda=True,
+        matmul_only=True,
+    ),
 )
 # gemm_4bit's fallback decodes nested statistics with this fixed block size (bitsandbytes 0.50.2).
 GEMM_FALLBACK_BLOCKSIZE2 = 256
@@ -108,13 +111,14 @@ _lock = threading.Lock()
 _originals: dict[Seam, Callable] = {}  # bitsandbytes' functions while patched, else empty
 _rebound: list[tuple[object, str, Callable]] = []  # (module, attribute, original) we replaced
 _counts: Counter = Counter()  # (seam label, "ours" | "fallback") -> calls
+_mode = [False]  # whether the patch in place routes matmuls too
 
 
 def _count(label: str, ours: bool) -> None:
     _counts[label, "ours" if ours else "fallback"] += 1
 
 
-def _functional_wrapper(original):
+def _functional_wrapper(original, matmul: bool = False):
     import torch
 
     from harness.runtime import api, torch_op
@@ -142,10 +146,19 @@ def _functional_wrapper(original):
     return dequantize_4bit
 
 
-def _gemm_fallback_wrapper(original):
+def _gemm_weight(shapeB, absmax, blocksize, quant_type, dtype, absmax_8bit, absmax_code, absmax_offset):
+    """gemm_4bit's weight arguments as ``api.quant_state_args``' (fields, nested keywords)."""
+    if absmax_8bit is None:
+        return (absmax, blocksize, quant_type, shapeB, dtype), {}
+    nested = {"code2": absmax_code, "absmax2": absmax, "blocksize2": GEMM_FALLBACK_BLOCKSIZE2, "offset": absmax_offset}
+    return (absmax_8bit, blocksize, quant_type, shapeB, dtype), nested
+
+
+def _gemm_fallback_wrapper(original, matmul: bool = False):
     import torch
 
     from harness.runtime import api
+    from harness.runtime import matmul as fused
 
     linear = torch.nn.functional.linear
 
@@ -153,22 +166,14 @@ def _gemm_fallback_wrapper(original):
     def _dequant_linear_fallback(
         A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
     ):
+        fields, nested = _gemm_weight(
+            shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset
+        )
         try:
-            if absmax_8bit is None:
-                B_dq = api.dequantize_packed(B, absmax, blocksize, quant_type, shapeB, A.dtype)
-            else:
-                B_dq = api.dequantize_packed(
-                    B,
-                    absmax_8bit,
-                    blocksize,
-                    quant_type,
-                    shapeB,
-                    A.dtype,
-                    code2=absmax_code,
-                    absmax2=absmax,
-                    blocksize2=GEMM_FALLBACK_BLOCKSIZE2,
-                    offset=absmax_offset,
-                )
+            if matmul and (result := fused.try_fused(A, B, fields, nested, bias)) is not None:
+                _count("gemm_4bit fused", True)
+                return result
+            B_dq = api.dequantize_packed(B, *fields, **nested)
         except DequantizeInputError:
             _count("gemm_4bit fallback", False)
             return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
@@ -178,7 +183,30 @@ def _gemm_fallback_wrapper(original):
     return _dequant_linear_fallback
 
 
-def _op_impl_wrapper(original):
+def _gemm_kernel_wrapper(original, matmul: bool = True):
+    from harness.runtime import matmul as fused
+
+    @functools.wraps(original)
+    def _gemm_4bit_kernel_impl(
+        A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
+    ):
+        fields, nested = _gemm_weight(
+            shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset
+        )
+        try:
+            result = fused.try_fused(A, B, fields, nested, bias)
+        except DequantizeInputError:
+            result = None
+        if result is not None:
+            _count("gemm_4bit fused", True)
+            return result
+        _count("gemm_4bit fused", False)
+        return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+
+    return _gemm_4bit_kernel_impl
+
+
+def _op_impl_wrapper(original, matmul: bool = False):
     from harness.runtime import api
 
     @functools.wraps(original)
@@ -200,6 +228,7 @@ _WRAPPERS = {
     "functional": _functional_wrapper,
     "gemm_4bit fallback": _gemm_fallback_wrapper,
     "dequantize_4bit op": _op_impl_wrapper,
+    "gemm_4bit kernel": _gemm_kernel_wrapper,
 }
 
 
@@ -226,9 +255,10 @@ def is_patched() -> bool:
     return bool(_originals)
 
 
-def _present_seams() -> list[Seam]:
-    """The seams whose module bitsandbytes has loaded (its CUDA backend only where CUDA is)."""
-    return [s for s in SEAMS if not s.needs_cuda or s.module in sys.modules]
+def _present_seams(matmul: bool = False) -> list[Seam]:
+    """The seams of this mode whose module bitsandbytes has loaded (its CUDA backend only where
+    CUDA is)."""
+    return [s for s in SEAMS if (matmul or not s.matmul_only) and (not s.needs_cuda or s.module in sys.modules)]
 
 
 def unproven_reason(version: str, functions: dict[Seam, object]) -> str | None:
@@ -248,30 +278,36 @@ def unproven_reason(version: str, functions: dict[Seam, object]) -> str | None:
     return None
 
 
-def patch_bitsandbytes() -> bool:
+def patch_bitsandbytes(matmul: bool = False) -> bool:
     """Send bitsandbytes' 4-bit dequantizations to our kernel (``SEAMS``). Idempotent.
 
+    ``matmul=True`` also sends its 4-bit matmuls (``gemm_4bit``: inference and the training
+    forward) of few rows to our fused kernel: faster, not bit-identical to bitsandbytes (another
+    fp32 summation order; README, "The fused matmul"). The default changes no output bit.
     Returns whether the patch is in place. On a bitsandbytes release or a seam it was not
     proven against it warns why and patches nothing."""
     import bitsandbytes  # loads backends.cuda.ops where CUDA is available
 
     with _lock:
-        if _originals:
+        if _originals and _mode[0] == matmul:
             return True
-        seams = _present_seams()
+    unpatch_bitsandbytes()  # another mode was patched: replace it
+    with _lock:
+        seams = _present_seams(matmul)
         functions = {s: getattr(sys.modules.get(s.module), s.name, None) for s in seams}
         if (reason := unproven_reason(bitsandbytes.__version__, functions)) is not None:
             warnings.warn(f"harness.patch_bitsandbytes: nothing patched: {reason}", RuntimeWarning, stacklevel=2)
             return False
         rebound = []
         for seam, original in functions.items():
-            wrapper = _WRAPPERS[seam.label](original)
+            wrapper = _WRAPPERS[seam.label](original, matmul)
             wrapper._nf4_harness_original = original
             for module, name in _bindings_of(original):
                 setattr(module, name, wrapper)
                 rebound.append((module, name, original))
             _originals[seam] = original
         _rebound[:] = rebound
+        _mode[0] = matmul
         return True
 
 
@@ -293,21 +329,24 @@ def unpatch_bitsandbytes() -> None:
 
 
 @contextlib.contextmanager
-def bitsandbytes_patched() -> Iterator[None]:
-    """``with bitsandbytes_patched(): ...`` patches for the block; leaves a patch made before it."""
-    already = is_patched()
-    patch_bitsandbytes()
+def bitsandbytes_patched(matmul: bool = False) -> Iterator[None]:
+    """``with bitsandbytes_patched(): ...`` patches for the block; leaves a patch made before it
+    in the mode it had."""
+    before = _mode[0] if is_patched() else None
+    patch_bitsandbytes(matmul)
     try:
         yield
     finally:
-        if not already:
+        if before is None:
             unpatch_bitsandbytes()
+        elif before != matmul:
+            patch_bitsandbytes(before)
 
 
 def routed_calls() -> dict[str, int]:
     """Patched calls since import: ``ours`` / ``fallback`` in total, and ``<seam>: ours`` /
     ``<seam>: fallback`` per seam (``functional``, ``gemm_4bit fallback``, ``dequantize_4bit op``,
-    ``compiled op``)."""
+    ``compiled op``, and with ``matmul=True`` ``gemm_4bit fused``)."""
     totals = {"ours": 0, "fallback": 0}
     per_seam = {}
     for (label, kind), n in sorted(_counts.items()):
