@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import threading
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import harness
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.runtime import api, dequantize_kernel, launcher
+from tests.threads import in_fresh_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,23 +33,16 @@ def _current_context() -> int:
 def test_loading_a_kernel_leaves_the_callers_context_as_it_was(cuda):
     """Loading makes the GPU's primary context current for the load only: the caller's context
     (here none, as in a fresh thread) is given back; PyTorch reads the current device from it."""
-    seen = {}
 
     def fresh_thread():
-        try:
-            seen["before"] = _current_context()
-            variant = dequantize_kernel.KernelVariant("nf4", "fp16", False)
-            label = f"{variant.name}-probe-{uuid.uuid4().hex}"  # never loaded before: a real load
-            launcher.load(label, dequantize_kernel.SOURCE, dequantize_kernel.ENTRY, cuda.index,
-                          dequantize_kernel.KERNEL_PARAMS, variant.macros())  # fmt: skip
-            seen["after"] = _current_context()
-        except BaseException as exc:  # reported in the main thread
-            seen["error"] = exc
+        before = _current_context()
+        variant = dequantize_kernel.KernelVariant("nf4", "fp16", False)
+        label = f"{variant.name}-probe-{uuid.uuid4().hex}"  # never loaded before: a real load
+        launcher.load(label, dequantize_kernel.SOURCE, dequantize_kernel.ENTRY, cuda.index,
+                      dequantize_kernel.KERNEL_PARAMS, variant.macros())  # fmt: skip
+        return {"before": before, "after": _current_context()}
 
-    thread = threading.Thread(target=fresh_thread)
-    thread.start()
-    thread.join()
-    assert "error" not in seen, seen.get("error")
+    seen = in_fresh_thread(fresh_thread)
     assert seen["before"] == 0 and seen["after"] == 0, seen
 
 

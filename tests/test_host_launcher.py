@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import HostLauncherUnavailable, KernelLaunchError, SettingError
 from harness.runtime import api, dequantize_kernel, host_launcher
 from harness.runtime.dequantize_kernel import OUT_DTYPES, QUANT_TYPES
+from tests.threads import in_fresh_thread
 
 
 @pytest.fixture(scope="module")
@@ -220,19 +220,11 @@ def test_declines_what_the_python_path_converts_or_rejects(entry, cuda, run_seed
 def test_a_fresh_thread_gets_the_same_bits_and_then_the_compiled_path(entry, cuda, run_seed):
     case = cases.raw_case((96, 130), "fp4", 64, torch.bfloat16, True, run_seed, device=cuda)
     expected = _python_path(_args(case))
-    seen = {}
 
-    def work():
-        try:
-            seen["first"] = harness.dequantize_4bit(case.A, case.quant_state())
-            seen["second"] = entry(*_args(case))
-        except BaseException as exc:  # reported in the main thread
-            seen["error"] = exc
+    def step():
+        return {"first": harness.dequantize_4bit(case.A, case.quant_state()), "second": entry(*_args(case))}
 
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    assert "error" not in seen, seen.get("error")
+    seen = in_fresh_thread(step)
     assert_bit_exact(seen["first"], expected, "first call in a fresh thread")
     assert isinstance(seen["second"], torch.Tensor), "the compiled path still declines after the thread's first call"
     assert_bit_exact(seen["second"], expected, "compiled path in a fresh thread")
