@@ -111,7 +111,7 @@ _lock = threading.Lock()
 _originals: dict[Seam, Callable] = {}  # bitsandbytes' functions while patched, else empty
 _rebound: list[tuple[object, str, Callable]] = []  # (module, attribute, original) we replaced
 _counts: Counter = Counter()  # (seam label, "ours" | "fallback") -> calls
-_mode = [False]  # whether the patch in place routes matmuls too
+_matmul_mode = False  # whether the patch in place routes matmuls too
 
 
 def _count(label: str, ours: bool) -> None:
@@ -154,11 +154,23 @@ def _gemm_weight(shapeB, absmax, blocksize, quant_type, dtype, absmax_8bit, absm
     return (absmax_8bit, blocksize, quant_type, shapeB, dtype), nested
 
 
+def _fused_gemm(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset):
+    """Our fused kernel's result for a gemm_4bit call, or None where it does not take it."""
+    from harness.runtime import matmul
+
+    weight = (shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset)
+    try:
+        result = matmul.try_fused(A, B, *_gemm_weight(*weight), bias)
+    except DequantizeInputError:
+        result = None
+    _count("gemm_4bit fused", result is not None)
+    return result
+
+
 def _gemm_fallback_wrapper(original, matmul: bool = False):
     import torch
 
     from harness.runtime import api
-    from harness.runtime import matmul as fused
 
     linear = torch.nn.functional.linear
 
@@ -166,17 +178,15 @@ def _gemm_fallback_wrapper(original, matmul: bool = False):
     def _dequant_linear_fallback(
         A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
     ):
-        fields, nested = _gemm_weight(
-            shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset
-        )
+        args = (A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+        if matmul and (result := _fused_gemm(*args)) is not None:
+            return result
+        fields, nested = _gemm_weight(shapeB, absmax, blocksize, quant_type, A.dtype, *args[7:])
         try:
-            if matmul and (result := fused.try_fused(A, B, fields, nested, bias)) is not None:
-                _count("gemm_4bit fused", True)
-                return result
             B_dq = api.dequantize_packed(B, *fields, **nested)
         except DequantizeInputError:
             _count("gemm_4bit fallback", False)
-            return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+            return original(*args)
         _count("gemm_4bit fallback", True)
         return linear(A, B_dq, bias)
 
@@ -184,24 +194,13 @@ def _gemm_fallback_wrapper(original, matmul: bool = False):
 
 
 def _gemm_kernel_wrapper(original, matmul: bool = True):
-    from harness.runtime import matmul as fused
-
     @functools.wraps(original)
     def _gemm_4bit_kernel_impl(
         A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None
     ):
-        fields, nested = _gemm_weight(
-            shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset
-        )
-        try:
-            result = fused.try_fused(A, B, fields, nested, bias)
-        except DequantizeInputError:
-            result = None
-        if result is not None:
-            _count("gemm_4bit fused", True)
-            return result
-        _count("gemm_4bit fused", False)
-        return original(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+        args = (A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+        result = _fused_gemm(*args)
+        return result if result is not None else original(*args)
 
     return _gemm_4bit_kernel_impl
 
@@ -283,21 +282,21 @@ def patch_bitsandbytes(matmul: bool = False) -> bool:
 
     ``matmul=True`` also sends its 4-bit matmuls (``gemm_4bit``: inference and the training
     forward) of few rows to our fused kernel: faster, not bit-identical to bitsandbytes (another
-    fp32 summation order; README, "The fused matmul"). The default changes no output bit.
-    Returns whether the patch is in place. On a bitsandbytes release or a seam it was not
-    proven against it warns why and patches nothing."""
+    fp32 summation order; README, "The fused matmul"). The default changes no output bit; a
+    patch in the other mode is replaced. Returns whether the patch is in place. On a
+    bitsandbytes release or a seam it was not proven against it warns why and changes nothing."""
+    global _matmul_mode
     import bitsandbytes  # loads backends.cuda.ops where CUDA is available
 
     with _lock:
-        if _originals and _mode[0] == matmul:
+        if _originals and _matmul_mode == matmul:
             return True
-    unpatch_bitsandbytes()  # another mode was patched: replace it
-    with _lock:
         seams = _present_seams(matmul)
-        functions = {s: getattr(sys.modules.get(s.module), s.name, None) for s in seams}
+        functions = {s: _originals.get(s) or getattr(sys.modules.get(s.module), s.name, None) for s in seams}
         if (reason := unproven_reason(bitsandbytes.__version__, functions)) is not None:
             warnings.warn(f"harness.patch_bitsandbytes: nothing patched: {reason}", RuntimeWarning, stacklevel=2)
             return False
+        _unpatch()
         rebound = []
         for seam, original in functions.items():
             wrapper = _WRAPPERS[seam.label](original, matmul)
@@ -307,7 +306,7 @@ def patch_bitsandbytes(matmul: bool = False) -> bool:
                 rebound.append((module, name, original))
             _originals[seam] = original
         _rebound[:] = rebound
-        _mode[0] = matmul
+        _matmul_mode = matmul
         return True
 
 
@@ -315,24 +314,27 @@ def unpatch_bitsandbytes() -> None:
     """Restore bitsandbytes' own functions everywhere they were, and wherever a module imported
     a patched one since. Harmless when not patched."""
     with _lock:
-        if not _originals:
-            return
-        for seam, original in _originals.items():
-            wrapper = getattr(sys.modules[seam.module], seam.name)
-            if getattr(wrapper, "_nf4_harness_original", None) is original:
-                for module, name in _bindings_of(wrapper):  # from-imports made while patched
-                    setattr(module, name, original)
-        for module, name, original in _rebound:
-            setattr(module, name, original)
-        _rebound.clear()
-        _originals.clear()
+        _unpatch()
+
+
+def _unpatch() -> None:
+    """unpatch_bitsandbytes' work; the caller holds the lock."""
+    for seam, original in _originals.items():
+        wrapper = getattr(sys.modules[seam.module], seam.name)
+        if getattr(wrapper, "_nf4_harness_original", None) is original:
+            for module, name in _bindings_of(wrapper):  # from-imports made while patched
+                setattr(module, name, original)
+    for module, name, original in _rebound:
+        setattr(module, name, original)
+    _rebound.clear()
+    _originals.clear()
 
 
 @contextlib.contextmanager
 def bitsandbytes_patched(matmul: bool = False) -> Iterator[None]:
     """``with bitsandbytes_patched(): ...`` patches for the block; leaves a patch made before it
     in the mode it had."""
-    before = _mode[0] if is_patched() else None
+    before = _matmul_mode if is_patched() else None
     patch_bitsandbytes(matmul)
     try:
         yield
