@@ -70,7 +70,7 @@ def dequantize_4bit(
     else:
         fields, nested = quant_state_args(quant_state)
         result = dequantize_packed(A, *fields, out, **nested) if nested else dequantize_packed(A, *fields, out)
-    return result.t() if A.shape[0] == 1 else result  # transposed_like_bitsandbytes, inline: the hot path
+    return transposed_like_bitsandbytes(A, result)
 
 
 def transposed_like_bitsandbytes(A: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -163,8 +163,9 @@ def check_call(
 ) -> Call:
     """The Python path's checks, in bitsandbytes' order and with its messages where it has them:
     the configuration, then every operand against ``dequantize_kernel``'s rule tables (the tables
-    the compiled path reads). Reads metadata only. ``backend`` is "cpu" only in the tests that run
-    these rules on host tensors."""
+    the compiled path reads). Reads metadata only, but for a nested offset given as a host tensor
+    (its value is read) or in another float dtype (converted to fp32 on its device). ``backend``
+    is "cpu" only in the tests that run these rules on host tensors."""
     if type(blocksize) is not int or blocksize not in BLOCKSIZES:  # 64.0 == 64, but not a block size
         _fail(f"invalid blocksize {blocksize}")
     if quant_type not in QUANT_TYPES:

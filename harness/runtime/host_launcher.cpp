@@ -20,7 +20,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
