@@ -90,6 +90,7 @@ def matmul_4bit(
     blocksize: int,
     quant_type: str,
     shape: list[int],
+    dtype: torch.dtype,
     code2: torch.Tensor | None,
     absmax2: torch.Tensor | None,
     blocksize2: int,
@@ -98,14 +99,17 @@ def matmul_4bit(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
-    return matmul.matmul_parts(A, B, (absmax, blocksize, quant_type, shape, A.dtype), nested, None, bias)
+    return matmul.matmul_parts(A, B, (absmax, blocksize, quant_type, shape, dtype), nested, None, bias)
 
 
 def _matmul_4bit_fake(
-    A, B, absmax, blocksize, quant_type, shape, code2, absmax2, blocksize2, offset, offset_value, bias
+    A, B, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, bias
 ):
-    features, _transposed = matmul.result_features(A, shape)
-    _check(B, absmax, blocksize, quant_type, shape, A.dtype, None, code2, absmax2, blocksize2, offset, offset_value)
+    features, transposed = matmul.result_features(A, shape)
+    weight_dtype = dtype if transposed else A.dtype  # what eager mode decodes the weight into
+    _check(
+        B, absmax, blocksize, quant_type, shape, weight_dtype, None, code2, absmax2, blocksize2, offset, offset_value
+    )
     return A.new_empty((*A.shape[:-1], features))
 
 
@@ -194,9 +198,10 @@ def matmul_call(A, B, quant_state, bias):
     dequantization op and an F.linear autograd differentiates; without, one matmul op."""
     needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
-        state = _state_args(quant_state, A.dtype)
-        W = torch.ops.nf4_harness.dequantize_4bit(B, *state)
         _features, transposed = matmul.result_features(A, quant_state.shape)
-        return torch.nn.functional.linear(A, W.t() if transposed else W, bias)
-    absmax, blocksize, quant_type, shape, _dtype, *nested = _state_args(quant_state, A.dtype)
-    return torch.ops.nf4_harness.matmul_4bit(A, B, absmax, blocksize, quant_type, shape, *nested, bias)
+        # As eager mode: a [K, N] weight in the quant state's dtype, cast after; else in A's.
+        W = torch.ops.nf4_harness.dequantize_4bit(
+            B, *_state_args(quant_state, quant_state.dtype if transposed else A.dtype)
+        )
+        return torch.nn.functional.linear(A, W.to(A.dtype).t() if transposed else W, bias)
+    return torch.ops.nf4_harness.matmul_4bit(A, B, *_state_args(quant_state, quant_state.dtype), bias)
