@@ -78,29 +78,29 @@ def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torc
     if transposed:
         W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
         return _into(out, torch.nn.functional.linear(A, W.t(), bias))
-    K = A.shape[-1]
-    needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
-    if not needs_grad:
-        if A.numel() == 0:
-            return out if out is not None else A.new_empty((*A.shape[:-1], N))
-        if _fused_takes(A, B, bias, N, K, blocksize):
-            return _fused(A, B, fields, nested, bias, out, N, K)
+    if A.numel() == 0 and not needs_grad(A, bias):
+        return out if out is not None else A.new_empty((*A.shape[:-1], N))
+    if (result := try_fused(A, B, fields, nested, bias, out)) is not None:
+        return result
     W = api.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
     return _into(out, torch.nn.functional.linear(A, W, bias))
 
 
-def try_fused(A, B, fields: tuple, nested: dict, bias=None) -> torch.Tensor | None:
+def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether autograd records this call (bitsandbytes' test for its training path)."""
+    return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+
+
+def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None) -> torch.Tensor | None:
     """The fused kernel's result for an [N, K] weight where it takes the call (no gradients
-    needed), else None: for callers with a fallback of their own (the bitsandbytes patch)."""
+    needed), else None: the caller has a fallback (ours, or the bitsandbytes patch's)."""
     blocksize, shape = fields[1], fields[3]
-    if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0:
-        return None
-    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+    if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
         return None
     N, K = shape[0], shape[1]
     if not _fused_takes(A, B, bias, N, K, blocksize):
         return None
-    return _fused(A, B, fields, nested, bias, None, N, K)
+    return _fused(A, B, fields, nested, bias, out, N, K)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

@@ -196,8 +196,7 @@ def call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"
 def matmul_call(A, B, quant_state, bias):
     """The traced equivalent of ``matmul.matmul_4bit`` without ``out``: with gradients, our
     dequantization op and an F.linear autograd differentiates; without, one matmul op."""
-    needs_grad = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
-    if needs_grad:
+    if matmul.needs_grad(A, bias):
         _features, transposed = matmul.result_features(A, quant_state.shape)
         # As eager mode: a [K, N] weight in the quant state's dtype, cast after; else in A's.
         W = torch.ops.nf4_harness.dequantize_4bit(
