@@ -20,7 +20,7 @@ from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import DequantizeInputError
-from harness.runtime import api, matmul_kernel
+from harness.runtime import api, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M
 
 # --- no GPU needed -----------------------------------------------------------------------------
@@ -41,14 +41,17 @@ def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
 
 
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 28672, 8192), (1, 1024, 8192), (64, 8192, 8192), (8, 48, 96)])
-@pytest.mark.parametrize("sms", [108, 132])
-def test_the_grid_covers_every_step_once_and_fills_the_gpu(M, N, K, sms):
-    g = matmul_kernel.grid_for(M, N, K, matmul_kernel.token_tile(M), sms)
+@pytest.mark.parametrize("resident", [108 * 8, 132 * 16])
+def test_the_grid_covers_every_step_once_and_fills_the_gpu(M, N, K, resident):
+    g = matmul_kernel.grid_for(M, N, K, matmul_kernel.token_tile(M), resident)
     groups, splits, tiles = g.blocks
     steps = -(-K // matmul_kernel.STEP_K)
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
     assert groups * matmul_kernel.FEATURES_PER_BLOCK >= N and tiles * matmul_kernel.token_tile(M) >= M
-    assert groups * splits * tiles >= min(sms, groups * steps * tiles)  # every SM busy where K allows
+    # The partial sums stay a small share of the weights' bytes; within that, one full wave.
+    assert 4 * g.workspace_elements(M, N) <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1
+    most = min(steps, max(1, int(matmul_kernel.PARTIAL_SHARE * N * K / 2 // (4 * M * N))))
+    assert groups * splits * tiles >= min(resident, groups * tiles * most) / 2  # per_split rounding at most halves
 
 
 def test_the_kernel_takes_k_in_multiples_of_32_and_blocks_of_32_or_more():
@@ -109,14 +112,14 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "dtype", "blocksize", "nested"), FORMATS, ids=str)
 @pytest.mark.parametrize(("N", "K"), [(48, 256), (200, 4096 + 96)], ids=["48x256", "200x4192"])
-@pytest.mark.parametrize("M", [1, 5, 8, 17, CROSSOVER_M])
+@pytest.mark.parametrize("M", [1, 5, 8, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
 def test_one_hot_rows_give_the_dequantization_kernels_bits(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
-    harness.matmul_4bit(A, B.t(), qs, out=out)
+    matmul.fused_matmul(A, B.t(), qs, out=out)
     expected = W[:, columns].t().contiguous() + 0.0  # a -0.0 weight sums to +0.0
     assert_bit_exact(out, expected, f"one-hot {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
 
@@ -159,6 +162,22 @@ def test_the_fallback_is_our_dequantization_and_f_linear_bit_for_bit(cuda, run_s
     assert_bit_exact(got.detach(), torch.nn.functional.linear(A.detach(), W), "with gradients")
     got.sum().backward()
     assert_bit_exact(A.grad, torch.ones(8, N, dtype=dtype, device=cuda) @ W, "input gradient")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
+    """Splits of K are added in split order, never by atomics: blocks finishing in another order
+    must not change a bit (the first version's atomic adds failed this)."""
+    N, K = 320, 8192
+    B, qs, _W = _weights(N, K, "nf4", 64, True, torch.bfloat16, run_seed, cuda)
+    A = torch.randn(M, K, device=cuda).to(torch.bfloat16)
+    assert matmul.fused_matmul(A, B.t(), qs) is not None
+    plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M)), cuda.index)
+    assert plan.grid(M, N, K, matmul_kernel.token_tile(M)).splits > 1, "the case must split K"
+    first = matmul.fused_matmul(A, B.t(), qs)
+    for run in range(20):
+        assert_bit_exact(matmul.fused_matmul(A, B.t(), qs), first, f"run {run}")
 
 
 @pytest.mark.gpu

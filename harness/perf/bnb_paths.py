@@ -12,6 +12,12 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   call path (``harness.correctness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
 - host: host time per call, queue never full, against one bare cuda-python launch (the floor
   every launch from Python pays on this host; the perf session reports the same).
+- matmul: the 4-bit matmul at Llama-3.3-70B gate, o and k shapes (nf4 nested bf16), M tokens:
+  bitsandbytes' ``matmul_4bit`` (its own path), ours fused (``harness.runtime.matmul.fused_matmul``)
+  and ours dequantize + ``F.linear``, against the packed-weight roofline: the fewest bytes the
+  matmul must move (packed weights, scale codes, second-level scales, activations, output) over
+  the copy bandwidth measured in the same run. Each fused result is judged against the fp64
+  reference's bound.
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
   synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
   the Amdahl prediction that share and the measured kernel speedup allow.
@@ -38,6 +44,8 @@ SAMPLES = 10  # kept cold-L2 samples per batch
 QLORA_TOKENS = (4, 2048)  # batch x sequence
 QLORA_ROUNDS = 5
 HOST_CALLS = 2000
+MATMUL_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192), "k": (1024, 8192)}
+MATMUL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 # Kernel names the profiler attributes to 4-bit dequantization: bitsandbytes' blockwise decode
 # (the 8-bit absmax decode and the 4-bit one) and ours.
 DEQUANT_KERNELS = ("kDequantizeBlockwise", "dequantize_4bit_kernel")
@@ -171,6 +179,62 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     return [{"call": k, "host_us": v, "x floor": v / floor} for k, v in times.items()]
 
 
+def packed_weight_bytes(N: int, K: int, M: int, blocksize: int = 64, itemsize: int = 2) -> int:
+    """Fewest bytes a nested-scale 4-bit matmul moves: packed weights, one scale code per block,
+    one fp32 second-level scale per 256 blocks and the 256-entry code table, activations, output."""
+    blocks = N * K // blocksize
+    return N * K // 2 + blocks + -(-blocks // 256) * 4 + 1024 + M * K * itemsize + M * N * itemsize
+
+
+def _matmul_calls(x: torch.Tensor, B: torch.Tensor, qs) -> dict[str, Callable[[], torch.Tensor]]:
+    import bitsandbytes as bnb
+
+    from harness.runtime import api, matmul
+
+    return {
+        "bitsandbytes": lambda: bnb.matmul_4bit(x, B.t(), qs),
+        "ours fused": lambda: matmul.fused_matmul(x, B.t(), qs),
+        "ours dequantize + F.linear": lambda: torch.nn.functional.linear(x, api.dequantize_4bit(B, qs)),
+    }
+
+
+def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMUL_TOKENS) -> list[dict]:
+    from harness.correctness import cases
+    from harness.correctness import matmul_reference as mr
+    from harness.runtime import api
+
+    copy = gpu_timer.copy_bandwidth(timer)
+    copy_gbps = 2 * (1 << 30) / copy.median_s / 1e9
+    rows = []
+    for layer, (N, K) in MATMUL_SHAPES.items():
+        B, qs = cases.quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=3, device=device)
+        W = api.dequantize_4bit(B, qs)
+        for m in tokens:
+            x = torch.randn(m, K, device=device, dtype=torch.bfloat16)
+            calls = _matmul_calls(x, B, qs)
+            with torch.no_grad():
+                us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
+                verdict = mr.judge(calls["ours fused"](), mr.reference(x, W, None, torch.bfloat16))
+            roofline_us = packed_weight_bytes(N, K, m) / copy_gbps / 1e3
+            rows.append(
+                {
+                    "layer": f"{layer} {N}x{K}",
+                    "M": m,
+                    **{f"{name} µs": v for name, v in us.items()},
+                    "roofline µs": roofline_us,
+                    "fused ÷ roofline": us["ours fused"] / roofline_us,
+                    "bnb ÷ roofline": us["bitsandbytes"] / roofline_us,
+                    "fused speedup vs bnb": us["bitsandbytes"] / us["ours fused"],
+                    "vs dequant+linear": us["ours dequantize + F.linear"] / us["ours fused"],
+                    "in bound": verdict.ok,
+                }
+            )
+        del B, qs, W
+        torch.cuda.empty_cache()
+    rows.append({"layer": f"copy bandwidth {copy_gbps:.0f} GB/s (noise {copy.noise:.4f})"})
+    return rows
+
+
 def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
     """(GPU µs in 4-bit dequantization kernels, GPU µs in all kernels) of one call, by the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -246,21 +310,31 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+TABLES = ("dequantize", "host", "layers", "matmul", "qlora")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.perf.bnb_paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="M = 256 only, 2 rounds, no QLoRA step (a smoke run)")
     parser.add_argument("--no-qlora", action="store_true", help="skip the QLoRA step")
+    parser.add_argument("--only", choices=TABLES, action="append", help="these tables only (repeatable)")
     args = parser.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
     timer = gpu_timer.ColdL2Timer(device, clock=gpu_info.sm_clock_reader(gpu_info.nvml_device(device.index)))
     rounds = 2 if args.quick else ROUNDS
+    wanted = set(args.only or TABLES) - ({"qlora"} if args.quick or args.no_qlora else set())
+    builders = {
+        "dequantize": lambda: dequantize_rows(timer, device),
+        "host": lambda: host_rows(timer, device),
+        "layers": lambda: layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds),
+        "matmul": lambda: matmul_rows(timer, device, (1, 64) if args.quick else MATMUL_TOKENS),
+        "qlora": lambda: qlora_rows(QLORA_ROUNDS),
+    }
     tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}
-    tables["dequantize"] = dequantize_rows(timer, device)
-    tables["host"] = host_rows(timer, device)
-    tables["layers"] = layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds)
-    if not (args.quick or args.no_qlora):
-        tables["qlora"] = qlora_rows(QLORA_ROUNDS)
+    for name in TABLES:
+        if name in wanted:
+            tables[name] = builders[name]()
     args.out.mkdir(parents=True, exist_ok=True)
     text = render({k: v for k, v in tables.items() if k != "machine"})
     (args.out / "bnb-paths.md").write_text(text)

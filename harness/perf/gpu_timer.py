@@ -236,6 +236,14 @@ class ColdL2Timer:
         return Measurement(kept, discarded, clocks)
 
 
+def copy_bandwidth(timer: ColdL2Timer, nbytes: int = 1 << 30) -> Measurement:
+    """Device-to-device copy of ``nbytes`` by the timer's method: the memory roofline a kernel's
+    bytes are divided by (bytes read + written = 2 * nbytes per sample)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).fill_(7)
+    dst = torch.empty_like(src)
+    return timer.measure(lambda: dst.copy_(src))
+
+
 # Calls timed between two synchronisations when measuring host time: far fewer than the driver's
 # launch queue holds (about a thousand launches), so however long each kernel runs on the GPU the
 # host never waits for a free slot, and what is timed is the host's own work.

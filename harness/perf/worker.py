@@ -104,10 +104,7 @@ class Worker:
 
     def op_copy_bandwidth(self) -> dict:
         """Device-to-device copy of 1 GiB, same method, counting bytes read and written."""
-        torch = self.torch
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=self.device).fill_(7)
-        dst = torch.empty_like(src)
-        m = self.timer.measure(lambda: dst.copy_(src))
+        m = self.gpu_timer.copy_bandwidth(self.timer)
         return {"gbps": 2 * (1 << 30) / m.median_s / 1e9, "noise": m.noise}
 
     def op_host_overhead(self, side: str, calls: int = 500) -> dict:

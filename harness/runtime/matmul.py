@@ -91,16 +91,30 @@ def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
 
 
-def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None) -> torch.Tensor | None:
+def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, max_rows=CROSSOVER_M) -> torch.Tensor | None:
     """The fused kernel's result for an [N, K] weight where it takes the call (no gradients
-    needed), else None: the caller has a fallback (ours, or the bitsandbytes patch's)."""
+    needed, at most ``max_rows`` rows, None for any), else None: the caller has a fallback
+    (ours, or the bitsandbytes patch's)."""
     blocksize, shape = fields[1], fields[3]
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
         return None
     N, K = shape[0], shape[1]
+    if max_rows is not None and A.numel() // K > max_rows:
+        return None
     if not _fused_takes(A, B, bias, N, K, blocksize):
         return None
     return _fused(A, B, fields, nested, bias, out, N, K)
+
+
+def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
+    """The fused kernel's result at any number of rows, never the fallback's: what benchmarks
+    and the oracle time and check. Raises ``DequantizeInputError`` where the kernel does not
+    take the call (gradients needed, K not a multiple of 32, a misaligned or non-CUDA tensor)."""
+    fields, nested = api.quant_state_args(quant_state)
+    result = try_fused(A, B, fields, nested, bias, out, max_rows=None)
+    if result is None:
+        _fail("the fused kernel does not take this call (see matmul._fused_takes)")
+    return result
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -116,11 +130,9 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _fused_takes(A, B, bias, N: int, K: int, blocksize: int) -> bool:
     """Whether the fused kernel computes this call; the rest is the fallback's, not an error."""
-    M = A.numel() // K
     return (
         A.is_cuda
         and A.dtype in _NAMES
-        and M <= CROSSOVER_M
         and matmul_kernel.takes_shape(K, blocksize)
         and _aligned(A)
         and isinstance(B, torch.Tensor)
@@ -141,16 +153,17 @@ def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
     direct = out is not None and out.shape == result_shape and out.dtype == A.dtype and out.device == A.device
     direct = direct and out.is_contiguous()
     target = out if direct else A.new_empty(result_shape)
-    workspace = torch.zeros((M, N), dtype=torch.float32, device=A.device)
     variant = matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, call.nested, matmul_kernel.token_tile(M))
     absmax_t, code2, absmax2, offset_t, offset_value = call.scales
     pointers = [t.data_ptr() if t is not None else 0 for t in (B, absmax_t, code2, absmax2, offset_t)]
     device = A.device.index
+    grid = matmul_kernel.plan(variant, device).grid(M, N, K, variant.tokens)
+    workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
     with torch.cuda.device(device):  # the kernel's GPU current for the launch, the caller's after
         matmul_kernel.launch(
-            variant, device, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(), (*pointers, offset_value),
-            workspace.data_ptr(), bias.data_ptr() if bias is not None else 0, target.data_ptr(), M, N, K, blocksize,
-            call.blocksize2,
+            variant, device, grid, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(),
+            (*pointers, offset_value), workspace.data_ptr(), bias.data_ptr() if bias is not None else 0,
+            target.data_ptr(), M, N, K, blocksize, call.blocksize2,
         )  # fmt: skip
     return target if direct or out is None else _into(out, target)
 

@@ -1,7 +1,7 @@
 """The fused 4-bit matmul kernel (``kernels/matmul_4bit.cu``), everything about it in one place:
 its variants, parameter layouts, the shapes it takes, the launch plan (token tile, split of K)
-and the launch on PyTorch's current stream: a zeroed fp32 workspace, the main kernel, then
-``matmul_4bit_finish`` (bias, one rounding) into the output.
+and the launch on a raw stream: the main kernel, writing the output itself when K is not split,
+else its partial sums into a workspace that ``matmul_4bit_finish`` adds in split order.
 
 Importable without PyTorch (the compile check lists the variants).
 """
@@ -25,8 +25,10 @@ STEP_K = 128  # k one warp covers per step
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
 
-MAIN_PARAMS = ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "f32", "ptr", "i64", "i32", "i32", "i32", "i32", "i32")
-FINISH_PARAMS = ("ptr", "ptr", "ptr", "i64", "i32")
+# A, W, absmax, code2, absmax2, offset pointer, offset value, partial, bias, out, M, N, K,
+# log2 block size, log2 second-level block size, steps per split.
+MAIN_PARAMS = ("ptr",) * 6 + ("f32", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32")
+FINISH_PARAMS = ("ptr", "ptr", "ptr", "i64", "i32", "i32")  # partial, bias, out, M, N, splits
 FINISH_THREADS = 256
 
 
@@ -78,12 +80,27 @@ class Grid:
     blocks: tuple[int, int, int]  # feature groups, splits of K, token tiles
     steps_per_split: int
 
+    @property
+    def splits(self) -> int:
+        return self.blocks[1]
 
-def grid_for(M: int, N: int, K: int, tokens: int, sms: int) -> Grid:
-    """Enough blocks to fill every SM about twice at small M: K is split where features and
-    token tiles alone are too few (each split adds its partial sums into the workspace)."""
+    def workspace_elements(self, M: int, N: int) -> int:
+        """fp32 partial sums the launch needs: one [M, N] slice per split, none without a split."""
+        return self.splits * M * N if self.splits > 1 else 0
+
+
+# Partial sums of all splits together at most this share of the packed weights' bytes: a split's
+# slice is written and read back once, so more splits only pay while the weights dominate.
+PARTIAL_SHARE = 0.25
+
+
+def grid_for(M: int, N: int, K: int, tokens: int, resident_blocks: int) -> Grid:
+    """One wave: K is split until the grid holds as many blocks as the GPU keeps resident (every
+    warp's loads in flight hide the others' latency), as far as the partial sums stay a small
+    share of the weights' traffic and every split has at least one step."""
     groups, tiles, steps = -(-N // FEATURES_PER_BLOCK), -(-M // tokens), -(-K // STEP_K)
-    splits = max(1, min(steps, -(-2 * sms // (groups * tiles))))
+    cap = max(1, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N)))
+    splits = max(1, min(steps, cap, -(-resident_blocks // (groups * tiles))))
     per_split = -(-steps // splits)
     return Grid((groups, -(-steps // per_split), tiles), per_split)
 
@@ -92,7 +109,10 @@ def grid_for(M: int, N: int, K: int, tokens: int, sms: int) -> Grid:
 class Plan:
     main: launcher.LoadedKernel
     finish: launcher.LoadedKernel
-    sms: int
+    resident_blocks: int  # main kernel blocks the whole GPU holds at once
+
+    def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
+        return grid_for(M, N, K, tokens, self.resident_blocks)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -103,7 +123,8 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
     if (hit := _plans.get(key)) is None:
         main = launcher.load(variant.name, SOURCE, ENTRY, device_index, MAIN_PARAMS, variant.macros())
         finish = launcher.load(f"{variant.name}-finish", SOURCE, FINISH, device_index, FINISH_PARAMS, variant.macros())
-        hit = _plans[key] = Plan(main, finish, _sm_count(device_index))
+        per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(WARPS * 32, 0)
+        hit = _plans[key] = Plan(main, finish, max(1, per_sm) * _sm_count(device_index))
     return hit
 
 
@@ -117,6 +138,7 @@ def _sm_count(device_index: int) -> int:
 def launch(
     variant: MatmulVariant,
     device_index: int,
+    grid: Grid,
     stream: int,
     A_ptr: int,
     scales: tuple[int, int, int, int, int, float],
@@ -129,14 +151,16 @@ def launch(
     blocksize: int,
     blocksize2: int,
 ) -> None:
-    """Enqueue the main kernel and the finish on ``stream``; ``scales`` holds (packed weights,
-    absmax, code2, absmax2, offset pointer, offset value); the workspace is M * N zeroed fp32."""
+    """Enqueue the main kernel (and, when K is split, the finish) on ``stream``; ``scales`` holds
+    (packed weights, absmax, code2, absmax2, offset pointer, offset value); the workspace holds
+    ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is written)."""
     p = plan(variant, device_index)
-    g = grid_for(M, N, K, variant.tokens, p.sms)
     main_args = (
-        A_ptr, *scales, workspace_ptr, M, N, K, blocksize.bit_length() - 1, blocksize2.bit_length() - 1,
-        g.steps_per_split,
+        A_ptr, *scales, workspace_ptr, bias_ptr, out_ptr, M, N, K, blocksize.bit_length() - 1,
+        blocksize2.bit_length() - 1, grid.steps_per_split,
     )  # fmt: skip
-    launcher.launch(p.main, g.blocks, WARPS * 32, stream, main_args)
-    finish_blocks = max(1, min(-(-(M * N) // FINISH_THREADS), 65535))
-    launcher.launch(p.finish, finish_blocks, FINISH_THREADS, stream, (workspace_ptr, bias_ptr, out_ptr, M, N))
+    launcher.launch(p.main, grid.blocks, WARPS * 32, stream, main_args)
+    if grid.splits > 1:
+        finish_blocks = max(1, min(-(-(M * N) // FINISH_THREADS), 65535))
+        finish_args = (workspace_ptr, bias_ptr, out_ptr, M, N, grid.splits)
+        launcher.launch(p.finish, finish_blocks, FINISH_THREADS, stream, finish_args)
