@@ -274,7 +274,8 @@ extern "C" __global__ void __launch_bounds__(256) matmul_4bit_finish(const float
     const i64 total = M * (i64)N;
     for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
         float v = partial[e];
-        for (int s = 1; s < splits; ++s) v = __fadd_rn(v, partial[s * total + e]);
+#pragma unroll 16
+        for (int s = 1; s < splits; ++s) v = __fadd_rn(v, partial[s * total + e]);  // loads in flight together
         if (bias) v = __fadd_rn(v, to_float(bias[e % N]));
         out[e] = from_float(v);
     }

@@ -201,7 +201,7 @@ def _matmul_calls(x: torch.Tensor, B: torch.Tensor, qs) -> dict[str, Callable[[]
 def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMUL_TOKENS) -> list[dict]:
     from harness.correctness import cases
     from harness.correctness import matmul_reference as mr
-    from harness.runtime import api
+    from harness.runtime import api, matmul
 
     copy = gpu_timer.copy_bandwidth(timer)
     copy_gbps = 2 * (1 << 30) / copy.median_s / 1e9
@@ -232,7 +232,24 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
         del B, qs, W
         torch.cuda.empty_cache()
     rows.append({"layer": f"copy bandwidth {copy_gbps:.0f} GB/s (noise {copy.noise:.4f})"})
+    used = matmul.crossover_m(device.index)
+    rows.append({"layer": f"crossover M measured: {measured_crossover(rows)} (the harness uses {used} on this GPU)"})
     return rows
+
+
+CROSSOVER_LAYERS = ("gate", "o")  # the shapes matmul.CROSSOVER_M is measured on
+
+
+def measured_crossover(rows: list[dict]) -> int:
+    """The largest M up to which the fused kernel beat dequantize + F.linear at every measured M
+    on every ``CROSSOVER_LAYERS`` shape (0 where it never did)."""
+    timed = [r for r in rows if "M" in r and r["layer"].split()[0] in CROSSOVER_LAYERS]
+    best = 0
+    for m in sorted({r["M"] for r in timed}):
+        if not all(r["ours fused µs"] < r["ours dequantize + F.linear µs"] for r in timed if r["M"] == m):
+            break
+        best = m
+    return best
 
 
 def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:

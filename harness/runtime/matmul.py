@@ -1,7 +1,7 @@
 """Drop-in ``matmul_4bit`` with bitsandbytes 0.50.2's signature and semantics: ``A [..., K] ·
 dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there, ``[K, N]``).
 
-Inference calls with few rows (``CROSSOVER_M``) run the fused kernel (``matmul_kernel``), which
+Inference calls with few rows (``crossover_m``, measured per GPU) run the fused kernel (``matmul_kernel``), which
 reads the packed weights once and never writes them out; everything else, and every call that
 needs gradients, runs our dequantization kernel and ``F.linear``, as bitsandbytes' own fallback
 does. A fused result is not bit-identical to cuBLAS (another summation order); its bound is
@@ -11,6 +11,7 @@ launch.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,9 +20,14 @@ import torch
 from harness.errors import DequantizeInputError
 from harness.runtime import api, matmul_kernel
 
-# Rows up to which the fused kernel runs; above, dequantize + F.linear. A first choice, not yet
-# measured against the fallback on any GPU (kernels/NOTES.md, "Fused matmul").
-CROSSOVER_M = 64
+# Rows up to which the fused kernel runs, per GPU model; above, dequantize + F.linear. Each is the
+# largest M at which the fused kernel beat dequantize + F.linear on the 28672x8192 and 8192x8192
+# shapes in the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU,
+# which prints the value it measured (kernels/NOTES.md, "Fused matmul: first runs").
+CROSSOVER_M = {"NVIDIA H100 80GB HBM3": 32}
+# A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
+# weights once and dequantize + F.linear reads and writes them twice more.
+DEFAULT_CROSSOVER_M = 16
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _is_compiling = torch.compiler.is_compiling
 
@@ -91,15 +97,21 @@ def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
 
 
-def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, max_rows=CROSSOVER_M) -> torch.Tensor | None:
+@functools.cache
+def crossover_m(device_index: int) -> int:
+    """The most rows the fused kernel takes on this GPU (``CROSSOVER_M``)."""
+    return CROSSOVER_M.get(torch.cuda.get_device_name(device_index), DEFAULT_CROSSOVER_M)
+
+
+def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=False) -> torch.Tensor | None:
     """The fused kernel's result for an [N, K] weight where it takes the call (no gradients
-    needed, at most ``max_rows`` rows, None for any), else None: the caller has a fallback
-    (ours, or the bitsandbytes patch's)."""
+    needed, at most the GPU's ``crossover_m`` rows unless ``any_rows``), else None: the caller
+    has a fallback (ours, or the bitsandbytes patch's)."""
     blocksize, shape = fields[1], fields[3]
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
         return None
     N, K = shape[0], shape[1]
-    if max_rows is not None and A.numel() // K > max_rows:
+    if not (any_rows or (A.is_cuda and A.numel() // K <= crossover_m(A.device.index))):
         return None
     if not _fused_takes(A, B, bias, N, K, blocksize):
         return None
@@ -111,7 +123,7 @@ def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
     and the oracle time and check. Raises ``DequantizeInputError`` where the kernel does not
     take the call (gradients needed, K not a multiple of 32, a misaligned or non-CUDA tensor)."""
     fields, nested = api.quant_state_args(quant_state)
-    result = try_fused(A, B, fields, nested, bias, out, max_rows=None)
+    result = try_fused(A, B, fields, nested, bias, out, any_rows=True)
     if result is None:
         _fail("the fused kernel does not take this call (see matmul._fused_takes)")
     return result

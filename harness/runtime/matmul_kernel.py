@@ -92,15 +92,19 @@ class Grid:
 # Partial sums of all splits together at most this share of the packed weights' bytes: a split's
 # slice is written and read back once, so more splits only pay while the weights dominate.
 PARTIAL_SHARE = 0.25
+# The finish adds a value's splits one after another: more than this many and its latency shows.
+MAX_SPLITS = 16
 
 
 def grid_for(M: int, N: int, K: int, tokens: int, resident_blocks: int) -> Grid:
-    """One wave: K is split until the grid holds as many blocks as the GPU keeps resident (every
-    warp's loads in flight hide the others' latency), as far as the partial sums stay a small
-    share of the weights' traffic and every split has at least one step."""
+    """At most one wave where the features and token tiles alone leave SMs idle: K is split into
+    as many parts as fit beside each other in the blocks the GPU keeps resident (a grid just
+    over one wave would run its few extra blocks as a second wave, doubling the time), as far as
+    the partial sums stay a small share of the weights' traffic, every split has at least one
+    step and there are at most ``MAX_SPLITS``."""
     groups, tiles, steps = -(-N // FEATURES_PER_BLOCK), -(-M // tokens), -(-K // STEP_K)
     cap = max(1, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N)))
-    splits = max(1, min(steps, cap, -(-resident_blocks // (groups * tiles))))
+    splits = max(1, min(steps, cap, MAX_SPLITS, resident_blocks // (groups * tiles)))
     per_split = -(-steps // splits)
     return Grid((groups, -(-steps // per_split), tiles), per_split)
 
