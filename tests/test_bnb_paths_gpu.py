@@ -1,5 +1,6 @@
 """The "which bitsandbytes path gains how much" report runs end to end and finds every patched
-path bit-identical to bitsandbytes (a quick run: M = 256, two rounds, no QLoRA step)."""
+path bit-identical to bitsandbytes and every fused matmul inside its bound (a quick run: M = 256,
+matmul M = 1 and 64, two rounds, no QLoRA step or generate)."""
 
 from __future__ import annotations
 
@@ -25,4 +26,9 @@ def test_quick_report_is_bit_identical_and_routes_each_layer_through_our_kernel(
     ]
     assert all(row["bit-identical"] and row["median_us"] > 0 for row in peers)
     assert {row["call"] for row in host} >= {"floor: bare cuda-python launch", "ours", "ours, out="}
+    timed = [row for row in tables["matmul"] if "M" in row]
+    expected = [(layer, m) for layer in ("gate", "o", "k") for m in (1, 64)]
+    assert [(row["layer"].split()[0], row["M"]) for row in timed] == expected
+    assert all(row["in bound"] and row["ours fused µs"] > 0 and row["roofline µs"] > 0 for row in timed)
+    assert any(row["layer"].startswith("crossover M measured") for row in tables["matmul"])
     assert "| layer" in (tmp_path / "bnb-paths.md").read_text()

@@ -58,6 +58,6 @@ def test_fp32_only_slowdown_is_slower_only_there(cuda, tmp_path, run_seed):
 
 def test_a_candidate_whose_output_differs_fails_the_gate_for_it(cuda, tmp_path, run_seed):
     session = _session(planted.build_wrong_output(JUDGE_ROOT, tmp_path / "wrong"), run_seed)
-    differing = [cid for cid, r in session.kernel.items() if r.same_output is False]
+    differing = [cid for cid, r in session.kernel.items() if r.outputs_agree is False]
     assert sorted(differing) == sorted(CASE_IDS)
     assert gate.exit_status(session.judgements, differing=len(differing)) == gate.EXIT_OUTPUT_DIFFERS

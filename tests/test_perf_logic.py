@@ -129,7 +129,7 @@ def test_exit_status_says_which_kind_of_red():
     # A different output is its own red, above a regression: its timing measured another computation.
     assert gate.exit_status({"a": slower}, drifted=1, differing=1) == gate.EXIT_OUTPUT_DIFFERS
     assert gate.exit_status({"a": same}, differing=1, errors=1) == gate.EXIT_ERROR
-    assert "differs" in report.STATUS_LINES[gate.EXIT_OUTPUT_DIFFERS]
+    assert "output is not what the case demands" in report.STATUS_LINES[gate.EXIT_OUTPUT_DIFFERS]
     assert gate.counts({"a": same, "b": slower, "c": same}) == {"SAME": 2, "SLOWER": 1}
 
 
@@ -221,7 +221,7 @@ def _fake_session(ab: bool = True):
         case=case,
         candidate_us=205.0,
         base_us=204.8 if ab else None,
-        same_output=True if ab else None,
+        outputs_agree=True if ab else None,
         references_s={"bnb_kernel": 270e-6, "bnb_full": 290e-6, "same_size_copy": 200e-6},
     )
     judgements = gate.judge({case.id: (PairedRatio.from_rounds(b, c), case.size_class)}) if ab else {}
@@ -267,6 +267,7 @@ def _fake_checkout(root, label: str):
         def dequantize_4bit(*args):
             from harness import late  # imported at call time: must be this side's module
             return late.LABEL
+        def matmul_4bit(*args): pass
         def patch_bitsandbytes(): pass
         def unpatch_bitsandbytes(): pass
         """)
@@ -317,26 +318,29 @@ def test_measuring_process_protocol_replies_per_line_and_reports_errors():
 
 
 def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
+    from harness.perf.session import JUDGE_ROOT
     from harness.runtime import jit
     from harness.runtime.dequantize_kernel import KernelVariant
+    from harness.runtime.matmul_kernel import MatmulVariant
     from tests.perf import planted
 
-    source = (tmp_path / "k.cu", tmp_path / "k32.cu")
-    from harness.perf.session import JUDGE_ROOT
-
-    original = (JUDGE_ROOT / planted.KERNEL).read_text()
-    header = JUDGE_ROOT / planted.KERNEL.parent / "format_4bit.cuh"
-    (tmp_path / header.name).write_text(header.read_text())  # the kernel's include, beside the copies
+    dq, mm = planted.TARGETS["dequantize"], planted.TARGETS["matmul"]
+    header = JUDGE_ROOT / dq.kernel.parent / "format_4bit.cuh"
+    (tmp_path / header.name).write_text(header.read_text())  # the kernels' include, beside the copies
+    original = (JUDGE_ROOT / dq.kernel).read_text()
+    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm.cu")
     source[0].write_text(planted.planted_source(original, 0.02))
     source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
+    source[2].write_text(planted.planted_source((JUDGE_ROOT / mm.kernel).read_text(), 0.05, target=mm))
     assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()
-    for path in source:
-        for out in ("fp16", "fp32"):
-            v = KernelVariant("nf4", out, True)
-            spec = jit.CompileSpec(source=path, arch="sm_90", macros=v.macros(), label=v.name)
-            assert jit.compile_kernel(spec, use_cache=False).cubin
+    assert "PLANTED_ON 1" in source[2].read_text() and "gridDim.x * gridDim.y * gridDim.z" in source[2].read_text()
+    variants = [(path, KernelVariant("nf4", out, True)) for path in source[:2] for out in ("fp16", "fp32")]
+    variants += [(source[2], MatmulVariant("bf16", "nf4", True, 8))]
+    for path, v in variants:
+        spec = jit.CompileSpec(source=path, arch="sm_90", macros=v.macros(), label=v.name)
+        assert jit.compile_kernel(spec, use_cache=False).cubin
     with pytest.raises(ValueError, match="anchor"):
-        planted.planted_source(original.replace(planted.START_ANCHOR, ""), 0.02)
+        planted.planted_source(original.replace(dq.start, ""), 0.02)
 
 
 def test_gate_rates_summary():

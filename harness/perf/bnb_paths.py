@@ -18,6 +18,10 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   matmul must move (packed weights, scale codes, second-level scales, activations, output) over
   the copy bandwidth measured in the same run. Each fused result is judged against the fp64
   reference's bound.
+- generate: transformers ``generate`` (greedy, 64 new tokens after 32) on a 4-layer model at
+  Llama-3.3-70B's sizes (vocabulary 4096, so the bf16 output layer weighs what it does beside 80
+  layers), batch 1 and 8, tokens per second unpatched vs ``patch_bitsandbytes(matmul=True)``,
+  wall time of whole synchronised calls, interleaved; and the share of tokens equal to unpatched.
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
   synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
   the Amdahl prediction that share and the measured kernel speedup allow.
@@ -43,6 +47,9 @@ ROUNDS = 6  # ABBA: each side measured first in half of them
 SAMPLES = 10  # kept cold-L2 samples per batch
 QLORA_TOKENS = (4, 2048)  # batch x sequence
 QLORA_ROUNDS = 5
+GENERATE_LAYERS = 4
+GENERATE_BATCHES = (1, 8)
+GENERATE_PROMPT, GENERATE_NEW = 32, 64
 HOST_CALLS = 2000
 MATMUL_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192), "k": (1024, 8192)}
 MATMUL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -51,13 +58,14 @@ MATMUL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 DEQUANT_KERNELS = ("kDequantizeBlockwise", "dequantize_4bit_kernel")
 
 
-def interleaved(measure: Callable[[bool], float], rounds: int) -> dict:
-    """Median of per-round values for unpatched and patched, patch toggled between batches."""
+def interleaved(measure: Callable[[bool], float], rounds: int, matmul: bool = False) -> dict:
+    """Median of per-round values for unpatched and patched (``matmul``: in matmul mode), the
+    patch toggled between batches."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds):
         for patched in (False, True) if r % 4 in (0, 3) else (True, False):
             if patched:
-                with patch.bitsandbytes_patched():
+                with patch.bitsandbytes_patched(matmul=matmul):
                     times[True].append(measure(True))
             else:
                 times[False].append(measure(False))
@@ -252,6 +260,42 @@ def measured_crossover(rows: list[dict]) -> int:
     return best
 
 
+def generate_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
+    from harness.correctness import qlora
+
+    tmp = qlora.temporary_checkpoint(layers=GENERATE_LAYERS)
+    try:
+        model = qlora.load_quantized(tmp.name).eval()
+        kwargs = {"max_new_tokens": GENERATE_NEW, "min_new_tokens": GENERATE_NEW, "do_sample": False, "pad_token_id": 0}
+        rows = []
+        for batch in batches:
+            ids = qlora.random_tokens(model.config.vocab_size, batch, GENERATE_PROMPT, seed=batch)
+
+            def run(ids=ids):
+                return model.generate(ids, **kwargs)
+
+            unpatched = run()
+            with patch.bitsandbytes_patched(matmul=True):
+                fused = run()
+            row = interleaved(lambda _p, run=run: statistics.median(qlora.wall_times(run, 2)), rounds, matmul=True)
+            tokens = batch * GENERATE_NEW
+            rows.append(
+                {
+                    "batch": batch,
+                    "layers": GENERATE_LAYERS,
+                    "unpatched tokens/s": tokens / row["unpatched_us"] * 1e6,
+                    "matmul mode tokens/s": tokens / row["patched_us"] * 1e6,
+                    "speedup": row["speedup"],
+                    "round speedups": row["round_speedups"],
+                    "tokens equal to unpatched": float((fused == unpatched).double()[:, GENERATE_PROMPT:].mean()),
+                }
+            )
+        return rows
+    finally:
+        torch.cuda.empty_cache()
+        tmp.cleanup()
+
+
 def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
     """(GPU µs in 4-bit dequantization kernels, GPU µs in all kernels) of one call, by the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -327,25 +371,29 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-TABLES = ("dequantize", "host", "layers", "matmul", "qlora")
+TABLES = ("dequantize", "host", "layers", "matmul", "generate", "qlora")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.perf.bnb_paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true", help="M = 256 only, 2 rounds, no QLoRA step (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="M = 256 (layers), 1 and 64 (matmul), 2 rounds, no QLoRA or generate"
+    )
     parser.add_argument("--no-qlora", action="store_true", help="skip the QLoRA step")
     parser.add_argument("--only", choices=TABLES, action="append", help="these tables only (repeatable)")
     args = parser.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
     timer = gpu_timer.ColdL2Timer(device, clock=gpu_info.sm_clock_reader(gpu_info.nvml_device(device.index)))
     rounds = 2 if args.quick else ROUNDS
-    wanted = set(args.only or TABLES) - ({"qlora"} if args.quick or args.no_qlora else set())
+    slow = {"qlora", "generate"} if args.quick else {"qlora"} if args.no_qlora else set()
+    wanted = set(args.only or TABLES) - slow
     builders = {
         "dequantize": lambda: dequantize_rows(timer, device),
         "host": lambda: host_rows(timer, device),
         "layers": lambda: layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds),
         "matmul": lambda: matmul_rows(timer, device, (1, 64) if args.quick else MATMUL_TOKENS),
+        "generate": lambda: generate_rows(rounds),
         "qlora": lambda: qlora_rows(QLORA_ROUNDS),
     }
     tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}

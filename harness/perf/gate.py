@@ -10,9 +10,10 @@ Per case (``policy`` holds the numbers):
                still AMBIGUOUS after ``Schedule.max_rounds`` stays so
 
 Per session, the exit status: 0 when every gated case is SAME or FASTER and the drift guard
-passed; ``EXIT_ERROR`` when a case could not be measured at all; ``EXIT_OUTPUT_DIFFERS`` when the
-candidate's output differs from the base's in any bit (a timing of a different computation
-proves nothing, whatever it says); ``EXIT_REGRESSION`` when any case is SLOWER or drifted past
+passed; ``EXIT_ERROR`` when a case could not be measured at all; ``EXIT_OUTPUT_DIFFERS`` when an
+output is not what its case demands: the base's bits for a dequantization, the fp64 reference's
+bound for a matmul (a timing of a different computation proves nothing, whatever it says);
+``EXIT_REGRESSION`` when any case is SLOWER or drifted past
 the stored baseline; ``EXIT_UNDECIDED`` when nothing regressed but some case is still AMBIGUOUS,
 so a red build says which of these it is.
 """
@@ -88,7 +89,7 @@ def rounds_to_add(judgement: Judgement, schedule: policy.Schedule = policy.SCHED
 
 
 def exit_status(judgements: Mapping[str, Judgement], drifted: int = 0, errors: int = 0, differing: int = 0) -> int:
-    """The session's exit status; ``differing`` counts the cases whose outputs differ from the base's."""
+    """The session's exit status; ``differing`` counts the cases whose outputs are wrong."""
     verdicts = [j.verdict for j in judgements.values()]
     if errors:
         return EXIT_ERROR

@@ -40,7 +40,7 @@ COLUMNS = (
     Column("p_adjusted", "p (Holm)", ".1e"),
     Column("rounds", "rounds", "d"),
     Column("verdict", "verdict"),
-    Column("same_output", "same bits"),
+    Column("outputs_agree", "outputs agree"),
     Column("pct_copy", "% copy", ".1f"),
     Column("pct_same_size_copy", "% same-size copy", ".1f"),
     Column("x_bnb_kernel", "x bnb kernel", ".2f"),
@@ -90,7 +90,7 @@ def kernel_rows(session, drift: Mapping[str, DriftRow]) -> list[dict]:
             "class": r.case.size_class.name,
             "base_us": r.base_us,
             "cand_us": us,
-            "same_output": r.same_output,
+            "outputs_agree": r.outputs_agree,
             "pct_copy": 100 * r.case.bytes_moved() / (us * 1e-6) / 1e9 / session.copy_gbps,
             "pct_same_size_copy": 100 * refs["same_size_copy"] / (us * 1e-6) if "same_size_copy" in refs else None,
             "x_bnb_kernel": refs["bnb_kernel"] / (us * 1e-6) if "bnb_kernel" in refs else None,
@@ -159,9 +159,9 @@ def header_lines(session, drift_line: str, status: int) -> list[str]:
             f"thresholds {classes}; family-wise alpha {policy.FAMILY_ALPHA} (Holm)"
         )
         lines.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in gate.counts(session.judgements).items()))
-        differing = [r.case.id for r in session.kernel.values() if r.same_output is False]
-        if differing:
-            lines.append(f"outputs differ from the base's on {len(differing)} case(s): {', '.join(differing[:5])}")
+    differing = [r.case.id for r in session.kernel.values() if r.outputs_agree is False]
+    if differing:
+        lines.append(f"outputs wrong on {len(differing)} case(s): {', '.join(differing[:5])}")
     lines.append(drift_line)
     lines.append(f"session wall time: {time.perf_counter() - session.started:.0f} s")
     lines.append(STATUS_LINES[status])
@@ -173,8 +173,8 @@ STATUS_LINES = {
     gate.EXIT_REGRESSION: "gate: FAIL, regression (a case SLOWER than the base, or drifted past the stored baseline)",
     gate.EXIT_ERROR: "gate: FAIL, some cases could not be measured (see the failures above)",
     gate.EXIT_OUTPUT_DIFFERS: (
-        "gate: FAIL, the candidate's output differs from the base's (column `same bits`): its timing measures "
-        "another computation"
+        "gate: FAIL, an output is not what the case demands (column `outputs agree`: the base's bits, or for a "
+        "matmul the fp64 reference's bound): its timing measures another computation"
     ),
     gate.EXIT_UNDECIDED: (
         "gate: FAIL, undecided (no regression found, but a case is still AMBIGUOUS after every re-measurement: "
@@ -205,7 +205,7 @@ def verdicts(session, drift: Mapping[str, DriftRow], status: int) -> dict:
         "p_adjusted",
         "rounds",
         "verdict",
-        "same_output",
+        "outputs_agree",
         "drift",
     )
     return {"status": status, "cases": {c: {k: r.get(k) for k in keys} for c, r in rows.items()}}

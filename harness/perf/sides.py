@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 # Entry points every side must have: the drop-in contract both sides share.
-ENTRY_POINTS = ("dequantize_4bit", "patch_bitsandbytes", "unpatch_bitsandbytes")
+ENTRY_POINTS = ("dequantize_4bit", "matmul_4bit", "patch_bitsandbytes", "unpatch_bitsandbytes")
 
 
 def _is_harness(name: str) -> bool:

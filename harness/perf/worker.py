@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -28,12 +29,13 @@ class Worker:
         import torch
 
         # The judge's code, loaded before any side's.
-        from harness.correctness import cases, qlora
+        from harness.correctness import cases, matmul_reference, qlora
         from harness.correctness.bitcompare import poison_
         from harness.perf import gpu_info, gpu_timer, sides
         from harness.runtime import launcher
 
         self.torch, self.cases, self.qlora, self.launcher, self.poison_ = torch, cases, qlora, launcher, poison_
+        self.matmul_reference = matmul_reference
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
@@ -45,8 +47,10 @@ class Worker:
     # -- kernel cases ---------------------------------------------------------------------------
     def op_kernel_case(self, spec: dict) -> dict:
         """Build a case's inputs once for every side (bitsandbytes quantizes fresh random weights
-        from the seed), run each side once on a poisoned output and say whether every side wrote
-        the first side's bits exactly."""
+        from the seed; a matmul case adds seeded activations), run each side once on a poisoned
+        output and say whether every output is what the case demands: the first side's bits
+        exactly (dequantization), or inside the fp64 reference's bound (matmul, whose summation
+        order a kernel may change)."""
         self.op_release()
         torch = self.torch
         dtype = self.cases.dtype_of(spec["dtype"])
@@ -54,7 +58,11 @@ class Worker:
             spec["shape"], spec["quant"], spec["blocksize"], spec["nested"], dtype, spec["seed"], device=self.device
         )
         self.case = {"A": A, "qs": qs, "spec": spec}
-        first, same = None, True
+        if spec.get("kind") == "matmul":
+            g = self.cases.seeded_generator(spec["seed"] + 1, self.device)
+            self.case["x"] = torch.randn(spec["tokens"], qs.shape[1], generator=g, device=self.device).to(dtype)
+            return self._check_matmul_outputs()
+        first, agree = None, True
         for side in self.sides.values():
             out = self.poison_(torch.empty(qs.shape, dtype=dtype, device=self.device), alternate=first is not None)
             with side.active():
@@ -64,17 +72,42 @@ class Worker:
             if first is None:
                 first = bits
             else:
-                same = same and torch.equal(first, bits)
+                agree = agree and torch.equal(first, bits)
             del out
-        return {"numel": qs.shape.numel(), "same_bits": same}
+        return {"numel": qs.shape.numel(), "outputs_agree": agree}
+
+    def _check_matmul_outputs(self) -> dict:
+        import bitsandbytes.functional as F
+
+        matmul_reference = self.matmul_reference
+        torch, A, qs, x = self.torch, self.case["A"], self.case["qs"], self.case["x"]
+        ref = matmul_reference.reference(x, F.dequantize_4bit(A, qs), None, x.dtype)
+        agree = True
+        for index, side in enumerate(self.sides.values()):
+            out = torch.empty(x.shape[0], qs.shape[0], dtype=x.dtype, device=self.device)
+            self.poison_(out, alternate=index > 0)
+            with side.active():
+                side.matmul_4bit(x, A.t(), qs, out=out)
+            torch.cuda.synchronize(self.device)
+            agree = agree and matmul_reference.judge(out, ref).ok
+            del out
+        return {"numel": qs.shape.numel(), "outputs_agree": agree}
+
+    def _call(self, side) -> Callable[[], object]:
+        """The timed call of the prepared case on one side: its drop-in, as a user calls it."""
+        A, qs = self.case["A"], self.case["qs"]
+        if self.case["spec"].get("kind") == "matmul":
+            matmul, x, B = side.matmul_4bit, self.case["x"], A.t()
+            return lambda: matmul(x, B, qs)
+        dequantize = side.dequantize_4bit
+        return lambda: dequantize(A, qs)
 
     def op_measure(self, side: str, samples: int) -> dict:
         """One batch: ``samples`` cold-L2 GPU times of one side's call (seconds)."""
-        A, qs = self.case["A"], self.case["qs"]
         chosen = self.sides[side]
-        dequantize = chosen.dequantize_4bit
+        call = self._call(chosen)
         with chosen.active():
-            m = self.timer.batch(lambda: dequantize(A, qs), samples)
+            m = self.timer.batch(call, samples)
         return {"samples_s": m.samples_s, "discarded": m.discarded}
 
     def op_references(self, names: list[str]) -> dict:

@@ -99,7 +99,7 @@ def pytest_sessionfinish(session, exitstatus):
             counted = {s: sum(r.status == s for r in drift.values()) for s in ("OK", "DRIFTED", "STALE", "MISSING")}
             drift_line += ": " + ", ".join(f"{k} {v}" for k, v in counted.items() if v)
     drifted = sum(r.status == "DRIFTED" for r in drift.values())
-    differing = sum(r.same_output is False for r in perf.kernel.values())
+    differing = sum(r.outputs_agree is False for r in perf.kernel.values())
     status = gate.exit_status(perf.judgements, drifted, errors=session.testsfailed, differing=differing)
     outputs = report.write_outputs(perf, drift, drift_line, status, out_dir)
     (out_dir / "verdicts.json").write_text(json.dumps(report.verdicts(perf, drift, status), indent=1) + "\n")

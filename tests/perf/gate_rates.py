@@ -4,10 +4,10 @@ slowdowns, one session per GPU at a time, each through the same pytest path as `
     python -m tests.perf.gate_rates --out DIR [--repeat N] [-k EXPR] SCENARIO...
 
 SCENARIO is ``aa`` (the candidate is an unchanged copy of this checkout), ``plant:X`` (every
-launch of its kernel takes 1 + X times as long, ``tests/perf/planted.py``) or ``fp32:X`` (the
-same in the fp32-output builds only), optionally with ``*N`` to run it N times instead of
-``--repeat``. The base, and the judge, is this checkout. Prints one table last and writes
-``DIR/gate-rates.json``.
+launch of its dequantization kernel takes 1 + X times as long, ``tests/perf/planted.py``),
+``fp32:X`` (the same in the fp32-output builds only) or ``mm:X`` (the fused matmul's kernel),
+optionally with ``*N`` to run it N times instead of ``--repeat``. The base, and the judge, is
+this checkout. Prints one table last and writes ``DIR/gate-rates.json``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def scenario_tree(scenario: str, source: Path, tmp: Path) -> Path:
     if scenario == "aa":
         return planted.copy_checkout(source, dest)
     kind, stretch = scenario.split(":")
-    if kind not in ("plant", "fp32"):
-        raise ValueError(f"unknown scenario {scenario!r}: aa, plant:X or fp32:X")
-    return planted.build(source, dest, float(stretch), only_fp32=kind == "fp32")
+    if kind not in ("plant", "fp32", "mm"):
+        raise ValueError(f"unknown scenario {scenario!r}: aa, plant:X, fp32:X or mm:X")
+    kernel = "matmul" if kind == "mm" else "dequantize"
+    return planted.build(source, dest, float(stretch), only_fp32=kind == "fp32", kernel=kernel)
 
 
 def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None) -> dict:

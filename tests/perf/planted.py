@@ -5,22 +5,50 @@ the product.
 The planted kernel stretches each launch's GPU time by a set fraction: every block notes when
 it started (the earliest start wins), and the last block to finish spins until the launch has
 taken ``1 + stretch`` times as long as it had when that block got there. The slowdown is the
-same fraction on every weight size, and optionally only in the fp32-output builds.
+same fraction on every weight size, and optionally only in the fp32-output builds. The kernel is
+the dequantization kernel, or (``--kernel matmul``) the fused matmul's main kernel, which every
+matmul case at or below the crossover runs.
 
-    python -m tests.perf.planted DEST --stretch 0.02 [--only-fp32]
+    python -m tests.perf.planted DEST --stretch 0.02 [--only-fp32] [--kernel matmul]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL = Path("kernels") / "dequantize_4bit.cu"
-ENTRY = 'extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel('
-# The kernel's first and last statements, where the planted code goes (each must occur once).
-START_ANCHOR = "    __shared__ __align__(16) float s_code[16];\n"
-END_ANCHOR = "        out[e] = to_out(mul_ftz(s_code[nib], scale));\n    }\n}\n"
+
+@dataclass(frozen=True)
+class Target:
+    """A kernel the slowdown can be planted in: its source, its entry line, its first statement
+    and its last lines (where the planted code goes; each must occur once), and the condition
+    of the builds its ``--only-fp32`` form slows down."""
+
+    kernel: Path
+    entry: str
+    start: str
+    end: str
+    fp32_only: str
+
+
+TARGETS = {
+    "dequantize": Target(
+        Path("kernels") / "dequantize_4bit.cu",
+        'extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(',
+        "    __shared__ __align__(16) float s_code[16];\n",
+        "        out[e] = to_out(mul_ftz(s_code[nib], scale));\n    }\n}\n",
+        "(DQ_OUT == 2)",
+    ),
+    "matmul": Target(
+        Path("kernels") / "matmul_4bit.cu",
+        'extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(',
+        "    __shared__ __align__(16) float s_code[16];\n",
+        "                slice[m * N + n] = acc[i][c];\n            }\n        }\n    }\n}\n",
+        "0",  # no fp32-output build
+    ),
+}
 _COPY_IGNORE = shutil.ignore_patterns(
     ".git", ".venv", ".nox", ".ci-venv", ".whl", ".hypothesis", "__pycache__", "perf-out*", ".benchmarks"
 )
@@ -40,7 +68,7 @@ _AT_END = """    // PLANTED SLOWDOWN: the last block to finish stretches the lau
     // (No barrier or fence: a block counts as done when its thread 0 is, which keeps the
     // planted code's own cost small.)
     if (PLANTED_ON && threadIdx.x == 0) {
-        if (atomicAdd(&planted_done, 1u) + 1 == gridDim.x) {
+        if (atomicAdd(&planted_done, 1u) + 1 == gridDim.x * gridDim.y * gridDim.z) {
             const unsigned long long start = atomicAdd(&planted_start, 0ull);
             const unsigned long long now = planted_now();
             const unsigned long long until = now + (unsigned long long)((double)(now - start) * PLANTED_STRETCH);
@@ -53,18 +81,18 @@ _AT_END = """    // PLANTED SLOWDOWN: the last block to finish stretches the lau
 """
 
 
-def planted_source(source: str, stretch: float, only_fp32: bool = False) -> str:
-    """``source`` with the stretch planted (see the module docstring)."""
-    for anchor in (ENTRY, START_ANCHOR, END_ANCHOR):
+def planted_source(source: str, stretch: float, only_fp32: bool = False, target: Target = TARGETS["dequantize"]) -> str:
+    """``source`` (``target``'s kernel) with the stretch planted (see the module docstring)."""
+    for anchor in (target.entry, target.start, target.end):
         if source.count(anchor) != 1:
             raise ValueError(f"the kernel no longer has the planted slowdown's anchor {anchor.strip()!r}")
     if not 0 < stretch < 10:
         raise ValueError(f"stretch must be in (0, 10), got {stretch}")
-    macros = f"#define PLANTED_STRETCH {stretch!r}\n#define PLANTED_ON {'(DQ_OUT == 2)' if only_fp32 else '1'}\n"
-    source = source.replace(ENTRY, macros + _GLOBALS + ENTRY)
-    source = source.replace(START_ANCHOR, START_ANCHOR + _AT_START)
-    end_body = END_ANCHOR[: -len("}\n")]
-    return source.replace(END_ANCHOR, end_body + _AT_END + "}\n")
+    macros = f"#define PLANTED_STRETCH {stretch!r}\n#define PLANTED_ON {target.fp32_only if only_fp32 else '1'}\n"
+    source = source.replace(target.entry, macros + _GLOBALS + target.entry)
+    source = source.replace(target.start, target.start + _AT_START)
+    end_body = target.end[: -len("}\n")]
+    return source.replace(target.end, end_body + _AT_END + "}\n")
 
 
 def copy_checkout(source_root: Path, dest: Path) -> Path:
@@ -73,10 +101,11 @@ def copy_checkout(source_root: Path, dest: Path) -> Path:
     return dest
 
 
-def build(source_root: Path, dest: Path, stretch: float, only_fp32: bool = False) -> Path:
-    """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown there."""
-    kernel = copy_checkout(source_root, dest) / KERNEL
-    kernel.write_text(planted_source(kernel.read_text(), stretch, only_fp32))
+def build(source_root: Path, dest: Path, stretch: float, only_fp32: bool = False, kernel: str = "dequantize") -> Path:
+    """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown in ``kernel``'s source there."""
+    target = TARGETS[kernel]
+    path = copy_checkout(source_root, dest) / target.kernel
+    path.write_text(planted_source(path.read_text(), stretch, only_fp32, target))
     return dest
 
 
@@ -107,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--stretch", type=float, required=True, help="fraction added to each launch's GPU time")
     parser.add_argument("--only-fp32", action="store_true")
+    parser.add_argument("--kernel", choices=sorted(TARGETS), default="dequantize")
     args = parser.parse_args(argv)
-    print(build(args.source, args.dest, args.stretch, args.only_fp32))
+    print(build(args.source, args.dest, args.stretch, args.only_fp32, args.kernel))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""GPU time of the drop-in dequantize_4bit per case: the candidate, and in an A/B session the base
-beside it. The test measures; the gate judges every case together when the session ends."""
+"""GPU time of the drop-ins per case (``dequantize_4bit``, and ``matmul_4bit`` for the matmul
+cases): the candidate, and in an A/B session the base beside it. The test measures; the gate
+judges every case together when the session ends."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from .conftest import Replay, replay_into
 
 pytestmark = pytest.mark.gpu
 
-CASES = catalog.kernel_cases()
+CASES = catalog.kernel_cases() + catalog.matmul_cases()
 
 
 @pytest.mark.benchmark(timer=Replay.clock, disable_gc=True, warmup=False)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_dequantize_speed(benchmark, perf_session, case):
+def test_drop_in_speed(benchmark, perf_session, case):
     result = perf_session.measure_kernel(case)
     benchmark.extra_info.update(
         {
@@ -25,7 +26,7 @@ def test_dequantize_speed(benchmark, perf_session, case):
             "bytes_moved": case.bytes_moved(),
             "candidate_rounds_s": result.cand_rounds_s,
             "base_rounds_s": result.base_rounds_s,
-            "same_output": result.same_output,
+            "outputs_agree": result.outputs_agree,
             "references_s": result.references_s,
             "copy_gbps": perf_session.copy_gbps,
             "wall_s": result.wall_s,
