@@ -72,3 +72,13 @@ def test_an_uninitialized_read_is_traced_to_its_buffer_and_offset():
     assert traced["case"] == "nf4 torch.float16 nested=True (37, 61)"
     outside = INITCHECK.replace("0x7f0000002003", "0x7f0000008000")
     assert sanitize.trace_reads(outside)[0]["buffer"] == "outside every input buffer"
+
+
+def test_errors_in_each_of_our_kernels_are_ours_and_the_filter_selects_each():
+    for name in sanitize.KERNELS:
+        report = REPORT.replace("dequantize_4bit_kernel", name)
+        assert sanitize.count_errors(report)["errors in our kernel"] == 1, name
+        assert sanitize.KERNEL_FILTER in name  # what --kernel-name selects for the filtered tools
+    other = REPORT.replace("dequantize_4bit_kernel", "kDequantizeBlockwise")
+    assert sanitize.count_errors(other)["errors in other kernels"] == 1
+    assert sanitize.KERNEL_FILTER not in "kDequantizeBlockwise"

@@ -1,4 +1,4 @@
-"""compute-sanitizer over the kernel: memcheck, racecheck, synccheck and initcheck (GPU).
+"""compute-sanitizer over our kernels: memcheck, racecheck, synccheck and initcheck (GPU).
 
     python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw,bnb] [--out DIR]
 
@@ -6,7 +6,8 @@ Each tool runs this module again under ``compute-sanitizer`` (``--cases``), whic
 reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested),
 launched by the compiled host path and by the Python path at both tilings (the large one forced
 onto small tensors, which a sanitizer runs in seconds), with and without a tail (an odd element
-count), and with a misaligned output (the scalar path).
+count), and with a misaligned output (the scalar path); then the fused matmul (nf4/fp4 x fp16/bf16 x
+plain/nested) with K split (its finish kernel) and not, one token tile and two, with a bias.
 Every error is attributed to the kernel it names: only errors in ours fail the run; errors in
 other kernels (PyTorch's, bitsandbytes') and host API errors the libraries hit while probing
 (``cuGetProcAddress`` and the like) are counted apart. memcheck, racecheck and synccheck check
@@ -35,7 +36,13 @@ from pathlib import Path
 from unittest import mock
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-KERNEL = "dequantize_4bit_kernel"
+KERNELS = ("dequantize_4bit_kernel", "matmul_4bit_kernel", "matmul_4bit_finish")
+# What the filtered tools select by (a substring of every name above, and of no kernel the cases
+# launch otherwise: PyTorch's and bitsandbytes' quantizer and dequantizer).
+KERNEL_FILTER = "_4bit_"
+# Fused matmul cases (M, N, K): K split in two (partial slices and the finish kernel), and a
+# second token tile with K unsplit (the main kernel writes the output itself).
+MATMUL_SHAPES = ((3, 40, 256), (70, 40, 256))
 # Tools that check our kernel only; initcheck must instrument every kernel (module docstring).
 FILTERED = ("memcheck", "racecheck", "synccheck")
 # Shapes: several vectorized tiles with no tail, a tail (odd element count), a single byte.
@@ -83,9 +90,37 @@ def run_cases(inputs: str) -> int:
             with host_path():
                 api.dequantize_4bit(A, qs, out=out)
             mismatches += not torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    mismatches += _matmul_cases(inputs, device)
     torch.cuda.synchronize(device)
-    print(f"cases: {mismatches} outputs differ from bitsandbytes", flush=True)
+    print(f"cases: {mismatches} outputs differ from bitsandbytes (or leave the matmul's bound)", flush=True)
     return 1 if mismatches else 0
+
+
+def _matmul_cases(inputs: str, device) -> int:
+    """The fused matmul over the same formats; each result judged against the fp64 bound."""
+    import torch
+
+    from harness.correctness import cases
+    from harness.correctness import matmul_reference as mr
+    from harness.correctness.bitcompare import poison_
+    from harness.runtime import api, matmul
+
+    wrong = 0
+    shapes = itertools.product(("nf4", "fp4"), (torch.float16, torch.bfloat16), (False, True), MATMUL_SHAPES)
+    for quant, dtype, nested, (M, N, K) in shapes:
+        if inputs == "raw":
+            case = cases.raw_case((N, K), quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
+            B, qs = case.A, case.quant_state()
+        else:
+            B, qs = cases.quantize_weights((N, K), quant, 64, nested, dtype, seed=0, device=device)
+        _print_ranges(f"matmul {quant} {dtype} nested={nested} {M}x{N}x{K}", B, qs)
+        g = cases.seeded_generator(M, device)
+        A = torch.randn(M, K, generator=g, device=device).to(dtype)
+        bias = torch.randn(N, generator=g, device=device).to(dtype)
+        out = poison_(torch.empty(M, N, dtype=dtype, device=device))
+        matmul.fused_matmul(A, B.t(), qs, bias=bias, out=out)
+        wrong += not mr.judge(out, mr.reference(A, api.dequantize_4bit(B, qs), bias, dtype)).ok
+    return wrong
 
 
 @contextlib.contextmanager
@@ -104,6 +139,10 @@ def _print_ranges(label: str, A, qs) -> None:
             buffers["offset"] = qs.offset
     ranges = ", ".join(f"{k} 0x{t.data_ptr():x}+{t.numel() * t.element_size()}" for k, t in buffers.items())
     print(f"case {label}: {ranges}", flush=True)
+
+
+def _ours(where: str) -> bool:
+    return any(k in where for k in KERNELS)
 
 
 def error_records(report: str) -> list[tuple[str, str, str | None]]:
@@ -128,7 +167,7 @@ def trace_reads(report: str) -> list[dict]:
             ranges.append((int(start, 16), int(size), m.group("label"), name))
     traced = []
     for what, where, address in error_records(report):
-        if KERNEL not in where or address is None or not what.startswith("Uninitialized"):
+        if not _ours(where) or address is None or not what.startswith("Uninitialized"):
             continue
         a = int(address, 16)
         # The latest case whose buffer holds the address (the allocator reuses memory).
@@ -144,7 +183,7 @@ def count_errors(report: str) -> dict:
     did not finish)."""
     records = error_records(report)
     api = sum(what.startswith("Program hit") for what, _, _ in records)
-    ours = sum(KERNEL in where for what, where, _ in records if not what.startswith("Program hit"))
+    ours = sum(_ours(where) for what, where, _ in records if not what.startswith("Program hit"))
     others = len(records) - api - ours
     if races := _RACE_SUMMARY.findall(report):
         ours = sum(int(e) + int(w) for e, w in races)  # hazards are summarised, not all printed
@@ -158,7 +197,7 @@ def sanitize(tool: str, inputs: str, log: Path) -> dict:
     cmd = [
         "compute-sanitizer",
         f"--tool={tool}",
-        *([f"--kernel-name=kns={KERNEL}"] if tool in FILTERED else []),
+        *([f"--kernel-name=kns={KERNEL_FILTER}"] if tool in FILTERED else []),
         "--report-api-errors=all",
         "--print-limit=1000",
         sys.executable,
