@@ -6,8 +6,10 @@ an fp64 copy of the model with the exactly dequantized weights
 
 A fused matmul is not bit-identical to cuBLAS, so the claim is relative and stated in the
 README: matmul mode's logits are no farther from the fp64 logits than bitsandbytes' own (within
-10%), and agree on the top-1 token with the fp64 model at least as often (within one position in
-a hundred). The fused kernel must really have run: the routed-call counts say so.
+10%), and pick the fp64 model's top-1 token wherever bitsandbytes' own rounding could not flip
+it: where the fp64 top-1 leads its runner-up by more than twice bitsandbytes' largest logit
+error (a random-weight model has many near-ties, where any rounding may pick either). The fused kernel must really
+have run: the routed-call counts say so.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import harness
 from harness.correctness import model_reference as dr
 from harness.correctness import qlora
 from harness.runtime import patch
+from harness.runtime.matmul import crossover_m
 
 pytestmark = pytest.mark.gpu
 
 ERROR_SLACK = 1.10  # matmul mode's relative error at most this times bitsandbytes'
-AGREEMENT_SLACK = 0.01  # and its top-1 agreement at most this much lower
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,11 @@ def _fused_calls() -> int:
 
 
 def _judge(name: str, bnb_logits, fused_logits, ref_logits) -> None:
-    theirs, ours = dr.distance(bnb_logits, ref_logits), dr.distance(fused_logits, ref_logits)
+    margin = dr.tie_margin(bnb_logits, ref_logits)
+    theirs, ours = dr.distance(bnb_logits, ref_logits, margin), dr.distance(fused_logits, ref_logits, margin)
     print(f"\n{name}: bitsandbytes {theirs}; matmul mode {ours}")
     assert ours.relative_error <= ERROR_SLACK * theirs.relative_error, (name, ours, theirs)
-    assert ours.top1_agreement >= theirs.top1_agreement - AGREEMENT_SLACK, (name, ours, theirs)
+    assert ours.decided > 0 and ours.decided_misses == 0, (name, ours, theirs)
 
 
 @pytest.mark.parametrize(("batch", "seq"), [(1, 24), (2, 16)], ids=["1x24", "2x16"])
@@ -61,7 +64,7 @@ def test_prefill_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, s
     before = _fused_calls()
     with harness.bitsandbytes_patched(matmul=True):
         got = dr.prefill_logits(model, ids)
-    assert _fused_calls() - before == 2 * 7, "every projection of the prefill ran the fused kernel"
+    assert _fused_calls() - before == 2 * 7, "every projection of the prefill ran the fused kernel"  # 24, 32 rows
     _judge(f"prefill {batch}x{seq}", expected, got, dr.prefill_logits(reference, ids))
 
 
@@ -74,8 +77,9 @@ def test_decode_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, sm
     before = _fused_calls()
     with harness.bitsandbytes_patched(matmul=True):
         got = dr.decode_logits(model, ids, prompt)
-    steps = total - prompt  # the prefill and every decode step
-    assert _fused_calls() - before == 2 * 7 * steps, "every projection of every step ran the fused kernel"
+    # Every decode step (batch rows each), and the prefill where its rows are within the crossover.
+    fused_steps = total - prompt - 1 + (batch * prompt <= crossover_m(cuda.index))
+    assert _fused_calls() - before == 2 * 7 * fused_steps, "every projection of every step ran the fused kernel"
     _judge(f"decode batch {batch}", expected, got, dr.decode_logits(reference, ids, prompt))
 
 

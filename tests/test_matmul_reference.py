@@ -92,3 +92,18 @@ def test_the_bound_refuses_operands_it_was_not_derived_for():
         mr.reference(torch.ones(1, 4), torch.ones(2, 4), None, torch.float32)
     with pytest.raises(ValueError, match="no bound"):
         mr.gamma(1 << 23, mr.U_ACCUMULATE)
+
+
+def test_model_distance_counts_only_the_positions_the_reference_decides():
+    from harness.correctness import model_reference as dr
+
+    reference = torch.tensor([[[3.0, 0.0, 0.0], [1.0, 0.9, 0.0], [0.0, 0.0, 2.0]]], dtype=torch.float64)
+    bnb = reference + torch.tensor([0.0, 0.05, 0.0], dtype=torch.float64)  # largest error 0.05
+    assert dr.tie_margin(bnb, reference) == pytest.approx(0.1)
+    ours = reference.clone()
+    ours[0, 1] = torch.tensor([0.9, 1.0, 0.0])  # flips a lead of 0.1: not decided at margin 0.1
+    d = dr.distance(ours, reference, dr.tie_margin(bnb, reference))
+    assert (d.decided, d.decided_misses, d.top1_agreement) == (2, 0, pytest.approx(2 / 3))
+    ours[0, 0] = torch.tensor([0.0, 3.5, 0.0])  # flips a decided lead
+    assert dr.distance(ours, reference, 0.1).decided_misses == 1
+    assert dr.relative_error(reference, reference) == 0.0

@@ -16,7 +16,8 @@ import torch
 
 
 def fp64_reference(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of a quantized causal LM: each ``Linear4bit`` weight dequantized by
+    """A float64 copy of a quantized causal LM (or a peft model's base): each 4-bit weight (a
+    parameter with a quant state, inside ``Linear4bit`` or peft's wrapper of it) dequantized by
     bitsandbytes (its bits; ours are the same), every other tensor converted."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
@@ -29,7 +30,7 @@ def fp64_reference(model: torch.nn.Module) -> torch.nn.Module:
         owner, _, leaf = key.rpartition(".")
         module = model.get_submodule(owner)
         tensor = getattr(module, leaf)
-        if isinstance(module, bnb.nn.Linear4bit) and leaf == "weight":
+        if getattr(tensor, "quant_state", None) is not None:
             tensor = bnb.functional.dequantize_4bit(tensor.data, tensor.quant_state)
         state[key] = tensor.detach().double()
     ref.load_state_dict(state)
@@ -58,9 +59,14 @@ def prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 class Distance:
     relative_error: float  # ‖logits − reference‖₂ / ‖reference‖₂
     top1_agreement: float  # share of positions whose argmax is the reference's
+    decided: int  # positions where the reference's top-1 leads its top-2 by more than the tie margin
+    decided_misses: int  # decided positions whose argmax is not the reference's
 
     def __str__(self) -> str:
-        return f"relative error {self.relative_error:.3e}, top-1 agreement {self.top1_agreement:.4f}"
+        return (
+            f"relative error {self.relative_error:.3e}, top-1 agreement {self.top1_agreement:.4f}, "
+            f"{self.decided_misses} misses of {self.decided} decided positions"
+        )
 
 
 def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
@@ -84,6 +90,15 @@ def fp64_qlora(m):
     return qlora.QLoRAModel(ref, m.input_ids)
 
 
-def distance(logits: torch.Tensor, reference: torch.Tensor) -> Distance:
-    agree = (logits.argmax(-1) == reference.argmax(-1)).double().mean()
-    return Distance(relative_error(logits, reference), float(agree))
+def tie_margin(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """Twice the largest logit error of ``result``: a reference lead smaller than this can flip
+    under that much rounding, so a top-1 there is a coin toss, not a verdict."""
+    return 2 * float((result.double() - reference).abs().max())
+
+
+def distance(logits: torch.Tensor, reference: torch.Tensor, margin: float = 0.0) -> Distance:
+    agree = logits.argmax(-1) == reference.argmax(-1)
+    top2 = reference.topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > margin
+    misses = int((decided & ~agree).sum())
+    return Distance(relative_error(logits, reference), float(agree.double().mean()), int(decided.sum()), misses)
