@@ -187,29 +187,68 @@ def compile(session: nox.Session) -> None:
 
 @nox.session(venv_params=["--system-site-packages"])
 def correctness(session: nox.Session) -> None:
-    """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible."""
+    """Bit-exactness suite: CPU cases always, the GPU matrix against bitsandbytes where a GPU is visible.
+
+    ``-- --candidate-dir DIR`` runs this checkout's tests on DIR's package and kernels (CI: the
+    base's tests judge a pull request, so weakening a test there changes nothing before it merges).
+    """
     gpus = gpu_count()
+    posargs = list(session.posargs)
+    candidate = _take_option(posargs, "--candidate-dir")
     # perf: the CPU tests of the perf gate's logic; e2e: the QLoRA check, which only runs on a GPU.
-    _install(session, "test", "perf", *(("e2e",) if gpus else ()), torch=True)
+    # A candidate's package is not installed: it is imported from its directory.
+    _install(session, "test", "perf", *(("e2e",) if gpus else ()), project=candidate is None, torch=True)
+    if candidate:
+        _candidate_tree(session, candidate)
     args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     if not gpus:
         session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
-        session.run(_python(session), *args, *session.posargs)
+        session.run(_python(session), *args, *posargs)
         return
     args.append("--require-gpu")  # a skipped GPU case fails the run
-    posargs = list(session.posargs)
     user_marks = _take_marker(posargs)
     if gpus == 1:
         session.log("1 GPU visible: multi-GPU cases deselected (-m 'not multigpu')")
-        session.run(_python(session), *args, "-m", _and_marks("not multigpu", user_marks), *posargs, env=_gpu_env())
+        single = _and_marks("not multigpu", user_marks)
+        session.run(_python(session), *args, "-m", single, *posargs, env=_gpu_env())
         return
     # One pytest-xdist worker per GPU, each pinned to its GPU (tests/conftest.py), then the cases
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
-    env = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
+    workers = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
     single = _and_marks("not multigpu", user_marks)
-    session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=env)
+    session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=workers)
     session.run(_python(session), *args, "-m", _and_marks("multigpu", user_marks), *posargs, env=_gpu_env())
+
+
+def _candidate_tree(session: nox.Session, candidate: str) -> Path:
+    """A directory of links: this checkout's tests, configuration and records beside another
+    checkout's ``harness`` and ``kernels/``, so that ``import harness`` from there finds that one and
+    no other (running from this checkout itself would put its own package first on the path).
+    Proven before it is used."""
+    root = (Path(session.invoked_from) / candidate).resolve()
+    if not (root / "harness" / "__init__.py").is_file():
+        session.error(f"--candidate-dir {candidate}: {root} holds no harness package")
+    here = Path(__file__).resolve().parent
+    tree = Path(session.create_tmp()) / "candidate-tree"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    for entry in here.iterdir():
+        if entry.name not in CANDIDATE_OWNS and not entry.name.startswith("."):
+            (tree / entry.name).symlink_to(entry)
+    for name in CANDIDATE_OWNS:
+        (tree / name).symlink_to(root / name)
+    session.chdir(tree)
+    code = "import harness, pathlib; print(pathlib.Path(harness.__file__).resolve().parent.parent)"
+    found = session.run(_python(session), "-c", code, silent=True, log=False)
+    if isinstance(found, str) and found.strip().splitlines()[-1:] != [str(root)]:
+        session.error(f"--candidate-dir {candidate}: import harness found {found.strip()!r}, not {root}")
+    session.log(f"this checkout's tests on the package and kernels at {root}")
+    return tree
+
+
+# What a candidate brings to a run of this checkout's tests: its package and its CUDA sources.
+CANDIDATE_OWNS = ("harness", "kernels")
 
 
 def _take_marker(args: list[str]) -> str | None:

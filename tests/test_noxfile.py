@@ -260,3 +260,31 @@ def test_gpu_sessions_switch_the_user_site_off(monkeypatch):
     env = _noxfile()._gpu_env(PYTHONPATH="/judge")
     assert env["PYTHONNOUSERSITE"] == "1" and env["PYTHONPATH"] == "/judge"
     assert env["NF4_HARNESS_HOST_LAUNCHER"] == "compiled"
+
+
+def test_correctness_on_a_candidate_runs_this_checkouts_tests_on_the_candidates_package(tmp_path):
+    """The base's tests judge a pull request: a candidate that breaks a rule and weakens the test
+    of it passes its own suite and fails this checkout's (CPU tests; --no-venv, nothing installed)."""
+    pytest.importorskip("nox")
+    from tests.perf import planted
+
+    candidate = planted.copy_checkout(ROOT, tmp_path / "candidate")
+    kernel = candidate / "harness" / "runtime" / "matmul_kernel.py"
+    kernel.write_text(kernel.read_text().replace("for t in TOKEN_TILES if m <= t", "for t in TOKEN_TILES if m < t"))
+    test = candidate / "tests" / "test_matmul.py"
+    test.write_text(test.read_text().replace("def test_a_token_tile_holds", "def _weakened_test_a_token_tile_holds"))
+    select = ["tests/test_matmul.py", "-k", "token_tile"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")} | {"NF4_HARNESS_GPUS": "0"}
+
+    def correctness(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "nox", "--no-venv", "-s", "correctness", "--", *extra, *select]
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False, env=env)
+
+    own = correctness(candidate)
+    assert own.returncode == 0, own.stdout + own.stderr  # its own, weakened suite passes
+    judged = correctness(ROOT, "--candidate-dir", str(candidate))
+    output = judged.stdout + judged.stderr
+    assert f"this checkout's tests on the package and kernels at {candidate}" in output
+    assert judged.returncode != 0 and "test_a_token_tile_holds_the_rows" in output, output
+    empty = correctness(ROOT, "--candidate-dir", str(tmp_path))
+    assert empty.returncode != 0 and "holds no harness package" in empty.stdout + empty.stderr

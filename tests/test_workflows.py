@@ -98,6 +98,13 @@ BREAKS = {
     "Triton's cache in the home directory": lambda d: _step(d["jobs"]["perf"], "Perf gate")["env"].pop(
         "TRITON_CACHE_DIR"
     ),
+    # Finding 4: the pull request's own (possibly weakened) tests are the only correctness verdict.
+    "the candidate judged by its own tests alone": lambda d: d["jobs"]["correctness"]["steps"].remove(
+        _step(d["jobs"]["correctness"], "Correctness by the base's tests")
+    ),
+    "the candidate's tests before the base's": lambda d: _move_before(
+        d["jobs"]["correctness"]["steps"], "The pull request's own tests", "Correctness by the base's tests"
+    ),
     "the gate run by the candidate's noxfile": lambda d: _step(d["jobs"]["perf"], "Perf gate").update(
         {"run": _step(d["jobs"]["perf"], "Perf gate")["run"].replace("judge/noxfile.py", "candidate/noxfile.py")}
     ),
@@ -126,6 +133,8 @@ CAUGHT_BY = {
     "the user site on": "reads the user site",
     "Triton's cache in the home directory": "keeps TRITON_CACHE_DIR outside RUNNER_TEMP",
     "the gate run by the candidate's noxfile": "the gate is not the judge's noxfile",
+    "the candidate judged by its own tests alone": "no step runs the base's tests on the candidate",
+    "the candidate's tests before the base's": "the candidate's own code runs before the base's tests judge it",
 }
 
 

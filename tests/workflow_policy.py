@@ -21,6 +21,7 @@ BASE_DEFINED_TRIGGERS = {"pull_request_target", "schedule", "workflow_dispatch",
 PULL_REQUEST_TARGET_TYPES = {"opened", "synchronize", "reopened"}
 BASE_SHA = "${{ github.event.pull_request.base.sha }}"
 NOX_SESSION = re.compile(r"-m nox\b[^\n]*(\\\n[^\n]*)*\s-s\s")
+NOX_ENVDIR = re.compile(r'--envdir "\$RUNNER_TEMP/[\w-]+"')  # nox's virtualenvs in the job's temporary directory
 PRIVATE_ENV = {
     "HOME": "${{ runner.temp }}/",
     "PIP_CACHE_DIR": "${{ runner.temp }}/",
@@ -105,7 +106,7 @@ def violations(workflow: dict, name: str = "workflow") -> list[str]:
                             found.append(f"{where}: step {step.get('name')!r} keeps {key} outside RUNNER_TEMP")
                     if env.get("PYTHONNOUSERSITE") != "1" or env.get("PIP_CONFIG_FILE") != "/dev/null":
                         found.append(f"{where}: step {step.get('name')!r} reads the user site or pip config")
-                    if NOX_SESSION.search(step["run"]) and '--envdir "$RUNNER_TEMP/nox"' not in step["run"]:
+                    if NOX_SESSION.search(step["run"]) and not NOX_ENVDIR.search(step["run"]):
                         found.append(f"{where}: step {step.get('name')!r} keeps nox virtualenvs in the workspace")
             if "--user" in text:
                 found.append(f"{where}: installs into the user site")
@@ -122,6 +123,38 @@ def violations(workflow: dict, name: str = "workflow") -> list[str]:
                     found.append(f"{where}: a checkout persists its credentials")
         if pr_code:
             found += judge_violations(job, where)
+            found += base_tests_violations(job, where)
+    return found
+
+
+def _runs_candidate_code(step: dict) -> bool:
+    run = step.get("run", "")
+    return str(step.get("working-directory", "")).startswith("candidate") or "candidate/noxfile.py" in run
+
+
+def base_tests_violations(job: dict, where: str) -> list[str]:
+    """A job that checks pull-request code for correctness judges it by the base's tests first:
+    the base's noxfile runs its own tests on the candidate's package (``--candidate-dir``) before
+    any of the candidate's own code runs, so a test weakened in the pull request decides nothing."""
+    steps = job.get("steps", [])
+    if not any("-s correctness" in s.get("run", "") for s in steps):
+        return []
+    judged = [
+        i
+        for i, s in enumerate(steps)
+        if all(a in s.get("run", "") for a in ("-f judge/noxfile.py", "-s correctness", "--candidate-dir candidate"))
+        and not _runs_candidate_code(s)
+    ]
+    if not judged:
+        return [f"{where}: no step runs the base's tests on the candidate"]
+    found = []
+    first_candidate = next((i for i, s in enumerate(steps) if _runs_candidate_code(s)), len(steps))
+    if first_candidate < judged[0]:
+        found.append(f"{where}: the candidate's own code runs before the base's tests judge it")
+    judge = [i for i, s in enumerate(steps) if s in checkouts(job) and s["with"].get("ref") == BASE_SHA]
+    candidate = [i for i, s in enumerate(steps) if s in checkouts(job) and s["with"].get("path") == "candidate"]
+    if not judge or not candidate or not judge[0] < candidate[0]:
+        found.append(f"{where}: the base is not checked out before the candidate")
     return found
 
 
