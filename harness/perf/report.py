@@ -87,6 +87,7 @@ def kernel_rows(session, drift: Mapping[str, DriftRow]) -> list[dict]:
         refs = r.references_s
         row = {
             "case": cid,
+            "kind": r.case.kind,
             "class": r.case.size_class.name,
             "base_us": r.base_us,
             "cand_us": us,
@@ -221,15 +222,18 @@ def write_outputs(session, drift, drift_line: str, status: int, out_dir: Path) -
         with open(step_summary, "a") as fh:
             fh.write(markdown)
     rows = kernel_rows(session, drift)
-    return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if rows else None}
+    plotted = any(r["kind"] == "dequantize" for r in rows)
+    return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if plotted else None}
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """% of the same-run copy bandwidth per case: the candidate next to bitsandbytes."""
+    """% of the same-run copy bandwidth per dequantization case: the candidate next to bitsandbytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("kind", "dequantize") == "dequantize"]
 
     names = [r["case"] for r in rows]
     series = {"nf4-harness (candidate)": [r["pct_copy"] for r in rows]}

@@ -112,14 +112,21 @@ class Worker:
 
     def op_references(self, names: list[str]) -> dict:
         """GPU time of other implementations on the prepared case (for the report only):
-        bitsandbytes' kernel alone (fp32 scales), its full dequantize_4bit, a device copy moving
-        the same bytes."""
+        bitsandbytes' kernel alone (fp32 scales), its full dequantize_4bit (for a matmul case: its
+        own matmul_4bit, and no kernel alone), a device copy moving the same bytes."""
+        import bitsandbytes
         import bitsandbytes.functional as F
 
         torch = self.torch
         A, qs, spec = self.case["A"], self.case["qs"], self.case["spec"]
         dtype = qs.dtype
         calls = {}
+        if spec.get("kind") == "matmul":
+            x, B = self.case["x"], A.t()
+            names = [n for n in names if n != "bnb_kernel"]
+            if "bnb_full" in names:
+                calls["bnb_full"] = lambda: bitsandbytes.matmul_4bit(x, B, qs)
+                names.remove("bnb_full")
         if "bnb_kernel" in names:
             absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if spec["nested"] else qs.absmax
             out = torch.empty(qs.shape, dtype=dtype, device=self.device)
