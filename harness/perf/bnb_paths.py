@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from harness.correctness.bitcompare import int_view
-from harness.perf import gpu_info, gpu_timer
+from harness.perf import catalog, gpu_info, gpu_timer
 from harness.runtime import patch
 
 LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
@@ -187,13 +187,6 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     return [{"call": k, "host_us": v, "x floor": v / floor} for k, v in times.items()]
 
 
-def packed_weight_bytes(N: int, K: int, M: int, blocksize: int = 64, itemsize: int = 2) -> int:
-    """Fewest bytes a nested-scale 4-bit matmul moves: packed weights, one scale code per block,
-    one fp32 second-level scale per 256 blocks and the 256-entry code table, activations, output."""
-    blocks = N * K // blocksize
-    return N * K // 2 + blocks + -(-blocks // 256) * 4 + 1024 + M * K * itemsize + M * N * itemsize
-
-
 def _matmul_calls(x: torch.Tensor, B: torch.Tensor, qs) -> dict[str, Callable[[], torch.Tensor]]:
     import bitsandbytes as bnb
 
@@ -223,7 +216,7 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
             with torch.no_grad():
                 us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
                 verdict = mr.judge(calls["ours fused"](), mr.reference(x, W, None, torch.bfloat16))
-            roofline_us = packed_weight_bytes(N, K, m) / copy_gbps / 1e3
+            roofline_us = catalog.matmul_bytes(N, K, m) / copy_gbps / 1e3
             rows.append(
                 {
                     "layer": f"{layer} {N}x{K}",

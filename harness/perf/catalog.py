@@ -16,6 +16,20 @@ from harness.correctness import shapes
 from harness.perf import policy
 
 
+def packed_bytes(numel: int, blocksize: int, nested: bool) -> int:
+    """Bytes of a 4-bit weight with its scales: the packed codes, and one fp32 absmax per block or
+    (nested) one code byte per block, one fp32 per 256 blocks and the 256-entry code book."""
+    blocks = -(-numel // blocksize)
+    scales = blocks + -(-blocks // 256) * 4 + 1024 if nested else blocks * 4
+    return (numel + 1) // 2 + scales
+
+
+def matmul_bytes(n: int, k: int, tokens: int, blocksize: int = 64, nested: bool = True, itemsize: int = 2) -> int:
+    """Fewest bytes a 4-bit matmul must move (its roofline's numerator): the packed weight with its
+    scales, read once, the activations and the output."""
+    return packed_bytes(n * k, blocksize, nested) + tokens * (k + n) * itemsize
+
+
 @dataclass(frozen=True)
 class KernelCase:
     weight: shapes.WeightShape
@@ -57,11 +71,8 @@ class KernelCase:
 
     def bytes_moved(self) -> int:
         """Fewest bytes the dequantization must move: packed input, output, scales."""
-        n = self.numel
-        nblocks = -(-n // self.blocksize)
-        scales = nblocks + -(-nblocks // 256) * 4 + 1024 if self.nested else nblocks * 4
         itemsize = 4 if self.dtype == "fp32" else 2
-        return (n + 1) // 2 + n * itemsize + scales
+        return packed_bytes(self.numel, self.blocksize, self.nested) + self.numel * itemsize
 
 
 @dataclass(frozen=True)
@@ -80,11 +91,8 @@ class MatmulCase(KernelCase):
         return super().spec(seed) | {"tokens": self.tokens}
 
     def bytes_moved(self) -> int:
-        """Fewest bytes the matmul must move: packed weights, scales, activations, output."""
         n, k = self.weight.shape
-        itemsize = 4 if self.dtype == "fp32" else 2
-        scales = super().bytes_moved() - (self.numel + 1) // 2 - self.numel * itemsize
-        return (self.numel + 1) // 2 + scales + self.tokens * (k + n) * itemsize
+        return matmul_bytes(n, k, self.tokens, self.blocksize, self.nested, 4 if self.dtype == "fp32" else 2)
 
 
 MATMUL_TOKENS = (1, 8, 32, 128, 256)
