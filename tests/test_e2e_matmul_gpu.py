@@ -8,8 +8,8 @@ A fused matmul is not bit-identical to cuBLAS, so the claim is relative and stat
 README: matmul mode's logits are no farther from the fp64 logits than bitsandbytes' own (within
 10%), and pick the fp64 model's top-1 token wherever bitsandbytes' own rounding could not flip
 it: where the fp64 top-1 leads its runner-up by more than twice bitsandbytes' largest logit
-error (a random-weight model has many near-ties, where any rounding may pick either). The fused kernel must really
-have run: the routed-call counts say so.
+error (a random-weight model has many near-ties, where any rounding may pick either). The fused
+kernel must really have run: the routed-call counts say so.
 """
 
 from __future__ import annotations
