@@ -71,8 +71,12 @@ class KernelCase:
 
     def bytes_moved(self) -> int:
         """Fewest bytes the dequantization must move: packed input, output, scales."""
-        itemsize = 4 if self.dtype == "fp32" else 2
-        return packed_bytes(self.numel, self.blocksize, self.nested) + self.numel * itemsize
+        return packed_bytes(self.numel, self.blocksize, self.nested) + self.numel * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the output (and, for a matmul, of the activations)."""
+        return 4 if self.dtype == "fp32" else 2
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class MatmulCase(KernelCase):
 
     def bytes_moved(self) -> int:
         n, k = self.weight.shape
-        return matmul_bytes(n, k, self.tokens, self.blocksize, self.nested, 4 if self.dtype == "fp32" else 2)
+        return matmul_bytes(n, k, self.tokens, self.blocksize, self.nested, self.itemsize)
 
 
 MATMUL_TOKENS = (1, 8, 32, 128, 256)
