@@ -1,8 +1,10 @@
-"""The A/B gate end to end on a GPU: unchanged code is not SLOWER, a planted slowdown is.
+"""The A/B gate end to end on a GPU: unchanged code is not SLOWER, a planted slowdown is, and a
+candidate that attacks the gate instead of being faster never ends green and FASTER.
 
-Both sessions run on a few cases only (a large and a small weight, one fp32), through the same
-``PerfSession`` the perf session uses; the planted copy is built in a temporary tree
-(``tests/perf/planted.py``). The false-alarm and detection *rates* are measured over many
+The sessions run on a few cases only (a large and a small weight, one fp32; a dequantization and
+a matmul for the attacks), through the same ``PerfSession`` the perf session uses; the planted and
+attacking copies are built in temporary trees (``tests/perf/planted.py``,
+``tests/perf/adversarial.py``). The false-alarm and detection *rates* are measured over many
 sessions by ``python -m tests.perf.gate_rates`` (numbers in kernels/NOTES.md).
 """
 
@@ -13,7 +15,7 @@ import pytest
 from harness.perf import catalog, gate
 from harness.perf.gate import Verdict
 from harness.perf.session import JUDGE_ROOT, PerfSession
-from tests.perf import planted
+from tests.perf import adversarial, planted
 
 pytestmark = pytest.mark.gpu
 
@@ -24,9 +26,15 @@ CASE_IDS = (
 )
 
 
-def _session(candidate, run_seed) -> PerfSession:
-    cases = [c for c in catalog.kernel_cases() if c.id in CASE_IDS]
-    session = PerfSession(candidate, JUDGE_ROOT, seed=run_seed, references=False)
+ATTACK_CASE_IDS = (
+    "qwen3-32b.k_proj-nf4-bf16-bs64-nested",
+    "matmul-llama-3.3-70b.k_proj-nf4-bf16-bs64-nested-m1",
+)
+
+
+def _session(candidate, run_seed, base=JUDGE_ROOT, case_ids=CASE_IDS) -> PerfSession:
+    cases = [c for c in catalog.kernel_cases() + catalog.matmul_cases() if c.id in case_ids]
+    session = PerfSession(candidate, base, seed=run_seed, references=False)
     try:
         for case in cases:
             session.measure_kernel(case)
@@ -60,4 +68,32 @@ def test_a_candidate_whose_output_differs_fails_the_gate_for_it(cuda, tmp_path, 
     session = _session(planted.build_wrong_output(JUDGE_ROOT, tmp_path / "wrong"), run_seed)
     differing = [cid for cid, r in session.kernel.items() if r.outputs_agree is False]
     assert sorted(differing) == sorted(CASE_IDS)
-    assert gate.exit_status(session.judgements, differing=len(differing)) == gate.EXIT_OUTPUT_DIFFERS
+    assert _status(session) == gate.EXIT_OUTPUT_DIFFERS
+
+
+def _status(session: PerfSession) -> int:
+    differing = sum(r.outputs_agree is False for r in session.kernel.values())
+    return gate.exit_status(session.judgements, differing=differing, judge_changed=len(session.judge_changed))
+
+
+# What each attack must end in: the timer's checks catch the first two, the process of each side
+# its own makes the third change nothing, the judge's file guard catches the fourth.
+ATTACK_OUTCOMES = {
+    "memoise": gate.EXIT_OUTPUT_DIFFERS,
+    "side-stream": gate.EXIT_OUTPUT_DIFFERS,
+    "reach-base": gate.EXIT_OK,
+    "edit-judge": gate.EXIT_JUDGE_CHANGED,
+}
+
+
+@pytest.mark.parametrize("attack", adversarial.ATTACKS)
+def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_seed, attack):
+    base = planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")  # the copy an attack may write into
+    session = _session(adversarial.build(JUDGE_ROOT, tmp_path / attack, attack), run_seed, base, ATTACK_CASE_IDS)
+    verdicts = {cid: j.verdict for cid, j in session.judgements.items()}
+    assert set(verdicts) == set(ATTACK_CASE_IDS)
+    assert _status(session) == ATTACK_OUTCOMES[attack], (verdicts, session.judge_changed)
+    if ATTACK_OUTCOMES[attack] == gate.EXIT_OK:
+        assert set(verdicts.values()) == {Verdict.SAME}, verdicts
+    if attack == "edit-judge":
+        assert str(base / "kernels" / "dequantize_4bit.cu") in session.judge_changed

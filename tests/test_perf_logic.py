@@ -1,6 +1,8 @@
 """The perf gate's logic on synthetic and recorded data, without a GPU: paired statistics,
 session-level error control, verdicts and exit status, baselines (rounding, no churn, drift),
-the summary, the sides' module handling, the planted-slowdown fixture and the rate summary."""
+the summary, the sides' module handling, the judge's checks of what a side returns, the guard on
+the judge's files, the timer's state order, the planted-slowdown and attack fixtures and the rate
+summary."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from harness.perf import baseline, catalog, gate, gpu_info, policy, report, sides
+from harness.perf import baseline, catalog, gate, gpu_info, gpu_timer, policy, report, sides, stage, tree_guard
 from harness.perf.gpu_timer import StopRule, ThrottleRule, relative_noise
 from harness.perf.stats import PairedRatio, holm, relative_spread
 
@@ -129,6 +132,9 @@ def test_exit_status_says_which_kind_of_red():
     # A different output is its own red, above a regression: its timing measured another computation.
     assert gate.exit_status({"a": slower}, drifted=1, differing=1) == gate.EXIT_OUTPUT_DIFFERS
     assert gate.exit_status({"a": same}, differing=1, errors=1) == gate.EXIT_ERROR
+    # A judge whose files changed while the candidate ran judged nothing: above everything else.
+    assert gate.exit_status({"a": slower}, errors=1, differing=1, judge_changed=1) == gate.EXIT_JUDGE_CHANGED
+    assert "files changed" in report.STATUS_LINES[gate.EXIT_JUDGE_CHANGED]
     assert "output is not what the case demands" in report.STATUS_LINES[gate.EXIT_OUTPUT_DIFFERS]
     assert gate.counts({"a": same, "b": slower, "c": same}) == {"SAME": 2, "SLOWER": 1}
 
@@ -222,6 +228,7 @@ def _fake_session(ab: bool = True):
         candidate_us=205.0,
         base_us=204.8 if ab else None,
         outputs_agree=True if ab else None,
+        rejected_batches=[],
         references_s={"bnb_kernel": 270e-6, "bnb_full": 290e-6, "same_size_copy": 200e-6},
     )
     judgements = gate.judge({case.id: (PairedRatio.from_rounds(b, c), case.size_class)}) if ab else {}
@@ -234,6 +241,7 @@ def _fake_session(ab: bool = True):
         host_overhead_us={"ours": 19.0},
         schedule=policy.SCHEDULE,
         started=0.0,
+        judge_changed=[],
         describe_sides=lambda: ["candidate: here"],
     )
 
@@ -312,6 +320,125 @@ def test_measuring_process_protocol_replies_per_line_and_reports_errors():
     first, second = (json.loads(line) for line in replies.getvalue().splitlines())
     assert first == {"samples_s": [1e-6, 1e-6], "side": "base"}
     assert "RuntimeError: boom" in second["error"]  # and nothing after quit was read
+
+
+# -- what a side returns, and the judge's files --------------------------------------------------
+
+
+def _prepared_stage(kind: str) -> stage.Stage:
+    """A small case on the CPU, prepared by two honest sides (bitsandbytes' CPU backend computes
+    what a side's process would: each variant of the live input, into its evidence slot)."""
+    import bitsandbytes.functional as F
+
+    spec = {"shape": [48, 256], "quant": "nf4", "blocksize": 64, "nested": True, "dtype": "bf16", "seed": 3}
+    st = stage.Stage(spec | {"kind": kind, "tokens": 5}, torch.device("cpu"))
+    for side in ("base", "candidate"):
+        lent = st.lent_to(side)
+        for variant in range(stage.VARIANTS):
+            lent.refresh(variant)
+            W = F.dequantize_4bit(lent.A, lent.qs)
+            lent.evidence[variant].copy_(torch.nn.functional.linear(lent.x, W) if kind == "matmul" else W)
+        assert st.check_prepared(side), (kind, side)
+    return st
+
+
+@pytest.mark.parametrize("kind", ["dequantize", "matmul"])
+def test_the_judge_rejects_an_output_of_another_variant_or_one_bit_off(kind):
+    st = _prepared_stage(kind)
+    evidence = st.evidence["candidate"]
+    variants = [o.value for o in st.expected] if kind == "matmul" else st.expected
+    assert not any(torch.equal(variants[0], v) for v in variants[1:]), "every variant changes the output"
+    # A batch: sample i had variant plan.variants[i]; slot j holds the output of sample plan.checked[j].
+    plan = stage.BatchPlan.draw(random.Random(7), 12)
+    for slot, i in enumerate(plan.checked):
+        evidence[slot].copy_(_output(st, plan.variants[i]))
+    assert st.check_batch("candidate", plan)
+    stale = plan.variants[plan.checked[0]]
+    evidence[0].copy_(_output(st, (stale + 1) % stage.VARIANTS))  # what an earlier call with other inputs gave
+    assert not st.check_batch("candidate", plan)
+    if kind == "dequantize":  # bit for bit, the base's: one flipped bit fails
+        evidence[0].copy_(_output(st, stale))
+        evidence[0].view(-1)[5:6].view(torch.int16).bitwise_xor_(1)
+        assert not st.check_batch("candidate", plan)
+
+
+def _output(st: stage.Stage, variant: int) -> torch.Tensor:
+    import bitsandbytes.functional as F
+
+    lent = st.lent_to("scratch")
+    lent.refresh(variant)
+    W = F.dequantize_4bit(lent.A, lent.qs)
+    out = torch.nn.functional.linear(lent.x, W) if st.kind == "matmul" else W
+    lent.refresh(0)
+    return out
+
+
+def test_a_batch_plan_never_repeats_a_variant_and_checks_distinct_samples():
+    rng = random.Random(11)
+    for _ in range(200):
+        plan = stage.BatchPlan.draw(rng, 12)
+        assert len(plan.variants) == 12 and set(plan.variants) <= set(range(stage.VARIANTS))
+        assert all(a != b for a, b in zip(plan.variants, plan.variants[1:], strict=False))
+        assert plan.checked == sorted(set(plan.checked)) and len(plan.checked) == stage.CHECKED
+        assert all(0 <= i < 12 for i in plan.checked)
+
+
+def test_the_timer_holds_fresh_inputs_behind_the_block_and_collects_right_after_the_stop():
+    timer = object.__new__(gpu_timer.ColdL2Timer)  # only the order of the states, no GPU
+    order = [state for state, _ in timer._steps(None, lambda: None, gpu_timer.Hooks())]
+    S = gpu_timer.State
+    assert order == [
+        S.BLOCK, S.PREPARE, S.FLUSH_L2, S.RECORD_START, S.LAUNCH, S.RECORD_STOP, S.COLLECT, S.RELEASE, S.READ
+    ]  # fmt: skip
+
+
+def test_the_guard_sees_any_change_to_the_judges_files_even_put_back(tmp_path):
+    import os
+    import time
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "harness" / "perf").mkdir(parents=True)
+    source = tmp_path / "kernels" / "dequantize_4bit.cu"
+    source.write_text("original\n")
+    (tmp_path / "harness" / "perf" / "gate.py").write_text("x = 1\n")
+    (tmp_path / "elsewhere.txt").write_text("not guarded\n")
+    before = tree_guard.fingerprint([tmp_path])
+    (tmp_path / "harness" / "__pycache__").mkdir()  # bytecode written by the judge's own imports
+    (tmp_path / "harness" / "__pycache__" / "x.pyc").write_bytes(b"")
+    (tmp_path / "elsewhere.txt").write_text("changed\n")
+    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path])) == []
+    stat = source.stat()
+    time.sleep(0.01)
+    source.write_text("planted\n")
+    source.write_text("original\n")  # the same bytes back, the same modification time back
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path])) == [str(source)]
+    (tmp_path / "harness" / "_kernels").mkdir()  # a directory the compile layer would prefer
+    assert str(tmp_path / "harness" / "_kernels") in tree_guard.changed(before, tree_guard.fingerprint([tmp_path]))
+
+
+ATTACKED_FILES = {
+    "memoise": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
+    "side-stream": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
+    "reach-base": ["harness/__init__.py"],
+    "edit-judge": ["harness/__init__.py"],
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKED_FILES))
+def test_each_attack_fixture_puts_valid_python_where_its_attack_runs(tmp_path, attack):
+    from harness.perf.session import JUDGE_ROOT
+    from tests.perf import adversarial
+
+    assert sorted(adversarial.ATTACKS) == sorted(ATTACKED_FILES)
+    root = adversarial.build(JUDGE_ROOT, tmp_path / attack, attack)
+    candidates = ("harness/__init__.py", "harness/runtime/api.py", "harness/runtime/matmul.py")
+    changed = [p for p in candidates if (root / p).read_text() != (JUDGE_ROOT / p).read_text()]
+    assert changed == ATTACKED_FILES[attack]
+    for path in changed:
+        text = (root / path).read_text()
+        assert "ADVERSARIAL" in text
+        compile(text, path, "exec")
 
 
 # -- fixtures and tools -----------------------------------------------------------------------

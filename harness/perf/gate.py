@@ -10,12 +10,13 @@ Per case (``policy`` holds the numbers):
                still AMBIGUOUS after ``Schedule.max_rounds`` stays so
 
 Per session, the exit status: 0 when every gated case is SAME or FASTER and the drift guard
-passed; ``EXIT_ERROR`` when a case could not be measured at all; ``EXIT_OUTPUT_DIFFERS`` when an
-output is not what its case demands: the base's bits for a dequantization, the fp64 reference's
-bound for a matmul (a timing of a different computation proves nothing, whatever it says);
-``EXIT_REGRESSION`` when any case is SLOWER or drifted past
-the stored baseline; ``EXIT_UNDECIDED`` when nothing regressed but some case is still AMBIGUOUS,
-so a red build says which of these it is.
+passed; ``EXIT_JUDGE_CHANGED`` when the judge's or the base's files changed while the session ran
+(``tree_guard``: nothing measured can be trusted then); ``EXIT_ERROR`` when a case could not be
+measured at all; ``EXIT_OUTPUT_DIFFERS`` when an output is not what its case demands: the base's
+bits for a dequantization, the fp64 reference's bound for a matmul (a timing of a different
+computation proves nothing, whatever it says); ``EXIT_REGRESSION`` when any case is SLOWER or
+drifted past the stored baseline; ``EXIT_UNDECIDED`` when nothing regressed but some case is still
+AMBIGUOUS, so a red build says which of these it is.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ EXIT_REGRESSION = 1
 EXIT_ERROR = 3  # a case failed to measure: pytest reports the failure, the summary says so
 EXIT_UNDECIDED = 6  # pytest's own codes stop at 5
 EXIT_OUTPUT_DIFFERS = 7
+EXIT_JUDGE_CHANGED = 8
 
 
 class Verdict(enum.Enum):
@@ -88,9 +90,14 @@ def rounds_to_add(judgement: Judgement, schedule: policy.Schedule = policy.SCHED
     return max(0, min(have * (schedule.remeasure_factor - 1), schedule.max_rounds - have))
 
 
-def exit_status(judgements: Mapping[str, Judgement], drifted: int = 0, errors: int = 0, differing: int = 0) -> int:
-    """The session's exit status; ``differing`` counts the cases whose outputs are wrong."""
+def exit_status(
+    judgements: Mapping[str, Judgement], drifted: int = 0, errors: int = 0, differing: int = 0, judge_changed: int = 0
+) -> int:
+    """The session's exit status; ``differing`` counts the cases whose outputs are wrong,
+    ``judge_changed`` the judge's files that changed during the session."""
     verdicts = [j.verdict for j in judgements.values()]
+    if judge_changed:
+        return EXIT_JUDGE_CHANGED
     if errors:
         return EXIT_ERROR
     if differing:

@@ -2,16 +2,21 @@
 
 One sample is a small state machine on the measured stream:
 
-    FLUSH_L2      write a buffer at least as large as the L2, so the launch starts cold
     BLOCK         enqueue a kernel that spins on a host-mapped flag, holding the stream
+    PREPARE       enqueue the caller's untimed setup (fresh inputs for this sample), if any
+    FLUSH_L2      write a buffer at least as large as the L2, so the launch starts cold
     RECORD_START  enqueue the start event
     LAUNCH        enqueue the work (any callable that launches on the current stream)
     RECORD_STOP   enqueue the stop event
+    COLLECT       enqueue the caller's untimed use of the work's result (keep it for a check)
     RELEASE       set the flag: everything queued behind the spin runs back to back
     READ          wait for the stop event, read the elapsed time and the SM clock
 
 Because the host enqueues while the stream is held, the host's launch cost never shows up as a gap
-inside the timed region. Whether to keep sampling is the ``StopRule``'s call; whether a sample
+inside the timed region. PREPARE is held behind the spin too: work that the timed call starts on
+another stream, without waiting for the measured one, runs while the stream is held and so finds
+the previous sample's inputs, not this one's; COLLECT runs right behind the stop event, so work not
+finished by then is caught unfinished. Whether to keep sampling is the ``StopRule``'s call; whether a sample
 counts is the ``ThrottleRule``'s. Both have their defaults written down below.
 """
 
@@ -34,11 +39,13 @@ BLOCKER_PARAMS = ("ptr", "ptr", "u64")  # kernels/block_stream.cu: flag, timed_o
 
 
 class State(enum.Enum):
-    FLUSH_L2 = "flush_l2"
     BLOCK = "block"
+    PREPARE = "prepare"
+    FLUSH_L2 = "flush_l2"
     RECORD_START = "record_start"
     LAUNCH = "launch"
     RECORD_STOP = "record_stop"
+    COLLECT = "collect"
     RELEASE = "release"
     READ = "read"
 
@@ -105,6 +112,20 @@ class Measurement:
         }
 
 
+def _nothing(*_args) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The caller's untimed work around each sample: ``prepare()`` behind the stream's hold,
+    before the L2 flush; ``collect(result)`` with what the timed call returned, right after the
+    stop event."""
+
+    prepare: Callable[[], object] = _nothing
+    collect: Callable[[object], object] = _nothing
+
+
 class ColdL2Timer:
     """Measures any launch callable; one instance per device, reused across cases."""
 
@@ -140,26 +161,34 @@ class ColdL2Timer:
         )
 
     def _steps(
-        self, stream: torch.cuda.Stream, fn: Callable[[], object]
+        self, stream: torch.cuda.Stream, fn: Callable[[], object], hooks: Hooks
     ) -> tuple[tuple[State, Callable[[], object]], ...]:
         """The sample's states in order, each with the action it performs."""
+        result = None
+
+        def launch():
+            nonlocal result
+            result = fn()
+
         return (
-            (State.FLUSH_L2, lambda: self.flush_buffer.fill_(1)),
             (State.BLOCK, lambda: self._block(stream)),
+            (State.PREPARE, hooks.prepare),
+            (State.FLUSH_L2, lambda: self.flush_buffer.fill_(1)),
             (State.RECORD_START, lambda: self.start.record(stream)),
-            (State.LAUNCH, fn),
+            (State.LAUNCH, launch),
             (State.RECORD_STOP, lambda: self.stop_event.record(stream)),
+            (State.COLLECT, lambda: hooks.collect(result)),
             (State.RELEASE, lambda: self.flag.fill_(1)),
-            (State.READ, self.stop_event.synchronize),
+            (State.READ, lambda: self.stop_event.synchronize()),
         )
 
-    def sample(self, fn: Callable[[], object]) -> tuple[float, float | None]:
+    def sample(self, fn: Callable[[], object], hooks: Hooks | None = None) -> tuple[float, float | None]:
         """One cold-L2, gap-free sample of ``fn``: (GPU seconds, SM clock in MHz or None).
 
         A failure names the state it happened in; the stream is released before it propagates,
         so a failed launch never leaves the blocking kernel spinning."""
         stream = torch.cuda.current_stream(self.device)
-        for state, action in self._steps(stream, fn):
+        for state, action in self._steps(stream, fn, hooks or Hooks()):
             self.state = state
             try:
                 action()
@@ -198,11 +227,11 @@ class ColdL2Timer:
         handle = self.blocker.handle
         return lambda: driver.cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, stream, packer.params, 0)
 
-    def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1) -> Measurement:
+    def batch(self, fn: Callable[[], object], samples: int, warmup: int = 1, hooks: Hooks | None = None) -> Measurement:
         """Exactly ``samples`` kept samples (throttled ones retaken, at most 3x as many taken):
         one batch of an A/B round, where the round count, not the batch, adapts to the noise."""
         self._warm_up(fn, warmup)
-        return self._collect(fn, lambda kept, taken, _: len(kept) < samples and taken < 3 * samples)
+        return self._collect(fn, lambda kept, taken, _: len(kept) < samples and taken < 3 * samples, hooks)
 
     def measure(self, fn: Callable[[], object], warmup: int = 3) -> Measurement:
         """Warm up (compilation, caches of the host side), then sample under the rules."""
@@ -217,13 +246,15 @@ class ColdL2Timer:
             fn()
         torch.cuda.synchronize(self.device)
 
-    def _collect(self, fn: Callable[[], object], more: Callable[[list[float], int, float], bool]) -> Measurement:
+    def _collect(
+        self, fn: Callable[[], object], more: Callable[[list[float], int, float], bool], hooks: Hooks | None = None
+    ) -> Measurement:
         """Sample while ``more(kept, taken, elapsed_s)``; the throttle rule decides what is kept."""
         kept, clocks, discarded, taken = [], [], 0, 0
         t0 = time.perf_counter()
         _, default = self.clock()
         while more(kept, taken, time.perf_counter() - t0):
-            elapsed, sm = self.sample(fn)
+            elapsed, sm = self.sample(fn, hooks)
             taken += 1
             if self.throttle.keep(sm, default):
                 kept.append(elapsed)

@@ -44,6 +44,9 @@ FAMILY_ALPHA = 0.01
 CASE_CONFIDENCE = 0.99
 # The drift tolerance is at least this many times the baseline's between-session spread.
 DRIFT_SPREAD_FACTOR = 3.0
+# No timed call can move its bytes faster than the same session's device copy; one that seems to
+# by more than this factor did its work outside the timed region, and its batch is rejected.
+ROOFLINE_MARGIN = 1.10
 
 
 @dataclass(frozen=True)

@@ -160,9 +160,12 @@ def header_lines(session, drift_line: str, status: int) -> list[str]:
             f"thresholds {classes}; family-wise alpha {policy.FAMILY_ALPHA} (Holm)"
         )
         lines.append("verdicts: " + ", ".join(f"{k} {v}" for k, v in gate.counts(session.judgements).items()))
-    differing = [r.case.id for r in session.kernel.values() if r.outputs_agree is False]
+    differing = [r for r in session.kernel.values() if r.outputs_agree is False]
     if differing:
-        lines.append(f"outputs wrong on {len(differing)} case(s): {', '.join(differing[:5])}")
+        where = (f"{r.case.id} ({'; '.join(r.rejected_batches[:2]) or 'before timing'})" for r in differing[:5])
+        lines.append(f"rejected on {len(differing)} case(s): {', '.join(where)}")
+    if session.judge_changed:
+        lines.append(f"judge's files changed during the session: {', '.join(session.judge_changed[:5])}")
     lines.append(drift_line)
     lines.append(f"session wall time: {time.perf_counter() - session.started:.0f} s")
     lines.append(STATUS_LINES[status])
@@ -175,7 +178,12 @@ STATUS_LINES = {
     gate.EXIT_ERROR: "gate: FAIL, some cases could not be measured (see the failures above)",
     gate.EXIT_OUTPUT_DIFFERS: (
         "gate: FAIL, an output is not what the case demands (column `outputs agree`: the base's bits, or for a "
-        "matmul the fp64 reference's bound): its timing measures another computation"
+        "matmul the fp64 reference's bound), or a timed call beat the memory roofline: its timing measures "
+        "another computation"
+    ),
+    gate.EXIT_JUDGE_CHANGED: (
+        "gate: FAIL, the judge's or the base's files changed while the candidate's code ran (listed above): "
+        "nothing this session measured can be trusted"
     ),
     gate.EXIT_UNDECIDED: (
         "gate: FAIL, undecided (no regression found, but a case is still AMBIGUOUS after every re-measurement: "

@@ -1,11 +1,13 @@
 """A perf session: the base and the candidate measured side by side on one GPU, in one job.
 
-Both sides run in one measuring process (``harness.perf.worker``) that imports each side's
-checkout (``harness.perf.sides``), so each is timed through its own API, launcher and kernel, on
-the same inputs in the same CUDA context; the judge (this code, the timer, the case list, the
-thresholds) is the base revision's. Per case, rounds of ABBA batches (base, candidate,
-candidate, base; the next round BAAB) put clock and thermal drift on both sides alike; each
-round's ratio of medians is one paired observation (``stats``).
+This process is the judge: the base revision's code, holding the schedule, the case list, the
+statistics, the verdicts and every file the session writes. Each side is measured in a process
+of its own (``harness.perf.worker``) that imports that side's checkout (``harness.perf.sides``),
+so each is timed through its own API, launcher and kernel; nothing of the candidate is imported
+here. The judge builds each case's inputs once and lends the same buffers to both sides
+(``harness.perf.stage``), and checks the outputs they return. Per case, rounds of ABBA batches
+(base, candidate, candidate, base; the next round BAAB) put clock and thermal drift on both sides
+alike; each round's ratio of medians is one paired observation (``stats``).
 
 Without a base the session measures the candidate alone: the drift guard against the stored
 baseline still runs, and ``--save-baseline`` records from it.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -24,10 +27,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from harness import settings
-from harness.perf import baseline, gate, gpu_info, policy, sides
+from harness.perf import baseline, gate, gpu_info, gpu_timer, policy, sides, stage, tree_guard
 from harness.perf.catalog import E2E_STEP, KernelCase
 from harness.perf.stats import PairedRatio
+from harness.runtime import jit
 
 JUDGE_ROOT = Path(__file__).resolve().parent.parent.parent
 REFERENCES = ("bnb_kernel", "bnb_full", "same_size_copy")
@@ -38,15 +44,15 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """The driver's end of the measuring process."""
+    """The judge's end of one side's measuring process."""
 
-    def __init__(self, side_roots: dict[str, Path]):
+    def __init__(self, name: str, root: Path, cache: Path):
         env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}  # each side its own kernels/
+        env[settings.CACHE_DIR.name] = str(cache)  # compiled kernels and host launcher: this side's alone
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(JUDGE_ROOT), env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
-        sides_args = [a for name, root in side_roots.items() for a in ("--side", f"{name}={root}")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.perf.worker", *sides_args],
+            [sys.executable, "-m", "harness.perf.worker", "--side", f"{name}={root}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -85,10 +91,18 @@ class KernelResult:
     base_rounds_s: list[float] = field(default_factory=list)  # per-round median, base side
     cand_rounds_s: list[float] = field(default_factory=list)  # per-round median, candidate side
     cand_samples_s: list[float] = field(default_factory=list)  # every kept candidate sample
-    # Every side's output was what the case demands (the same bits; a matmul: inside the bound).
-    outputs_agree: bool | None = None
+    # Every side's prepared outputs were what the case demands (the base's bits; a matmul: inside
+    # the fp64 bound); None where there is nothing to compare with (a dequantization measured alone).
+    prepared_agree: bool | None = None
+    # Timed batches the judge rejected, each with why: a checked output not what its sample's
+    # inputs demand, or a sample faster than the memory roofline allows (work that escaped timing).
+    rejected_batches: list[str] = field(default_factory=list)
     references_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0  # host wall time spent on this case (inputs, rounds, references)
+
+    @property
+    def outputs_agree(self) -> bool | None:
+        return False if self.rejected_batches else self.prepared_agree
 
     @property
     def paired(self) -> PairedRatio | None:
@@ -116,7 +130,7 @@ class E2EResult:
 
 
 class PerfSession:
-    """Owns the measuring process and every result of one session."""
+    """Owns the sides' measuring processes, the lent inputs and every result of one session."""
 
     def __init__(
         self,
@@ -135,9 +149,33 @@ class PerfSession:
         self.judgements: dict[str, gate.Judgement] = {}
         self.started = time.perf_counter()
         self._tmp = tempfile.mkdtemp(prefix="nf4-harness-perf-")
-        roots = {"candidate": self.candidate_root} | ({"base": self.base_root} if self.base_root else {})
-        self.worker = Worker(roots)
-        self.copy_gbps = self.worker.call("copy_bandwidth")["gbps"]
+        self._rng = random.Random(seed)  # batch plans: which variant each sample gets, what is checked
+        self._stage = None
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
+        self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)  # the references' and the copy's
+        self.copy_gbps = 2 * (1 << 30) / gpu_timer.copy_bandwidth(self.timer).median_s / 1e9
+        # The judge's files before any of the candidate's code runs (checked again by ``close``).
+        self._guarded = [JUDGE_ROOT] + ([self.base_root] if self.base_root else [])
+        self._fingerprint = tree_guard.fingerprint(self._guarded)
+        self.judge_changed: list[str] = []
+        # The base first: in a dequantization case its prepared outputs are the bits to match.
+        roots = ({"base": self.base_root} if self.base_root else {}) | {"candidate": self.candidate_root}
+        self.workers: dict[str, Worker] = {}
+        try:
+            for name, root in roots.items():
+                self.workers[name] = Worker(name, root, self._side_cache(name))
+        except BaseException:
+            self.close()
+            raise
+
+    def _side_cache(self, side: str) -> Path:
+        """A compile cache of the side's own, seeded from this machine's before either side's
+        process starts: nothing one side writes into it during the session reaches the other."""
+        cache, seed = Path(self._tmp) / f"{side}-cache", jit.cache_dir()
+        if seed.is_dir():
+            shutil.copytree(seed, cache, symlinks=True)
+        return cache
 
     @property
     def ab(self) -> bool:
@@ -151,57 +189,88 @@ class PerfSession:
 
     # -- kernel cases ---------------------------------------------------------------------------
     def _prepare(self, case: KernelCase) -> bool:
-        return self.worker.call("kernel_case", spec=case.spec(self.seed))["outputs_agree"]
+        """Build the case, lend it to every side, and say whether each side's prepared outputs
+        are what the case demands."""
+        self._stage = stage.Stage(case.spec(self.seed), self.device)
+        agree = True
+        for name, worker in self.workers.items():
+            worker.call("kernel_case", lent=self._stage.lend(name))
+            agree = self._stage.check_prepared(name) and agree
+        return agree
 
     def _rounds(self, result: KernelResult, count: int) -> None:
+        fastest_s = result.case.bytes_moved() / (policy.ROOFLINE_MARGIN * self.copy_gbps * 1e9)
         start = len(result.cand_rounds_s)
         for index in range(start, start + count):
             batch: dict[str, list[float]] = {"base": [], "candidate": []}
             for side in self._order(index):
-                batch[side] += self.worker.call("measure", side=side, samples=self.schedule.samples)["samples_s"]
+                plan = stage.BatchPlan.draw(self._rng, self.schedule.samples)
+                reply = self.workers[side].call(
+                    "measure", samples=self.schedule.samples, variants=plan.variants, checked=plan.checked
+                )
+                batch[side] += reply["samples_s"]
+                if not self._stage.check_batch(side, plan):
+                    result.rejected_batches.append(f"round {index}, {side}: output")
+                if min(reply["samples_s"]) < fastest_s:
+                    result.rejected_batches.append(f"round {index}, {side}: faster than the roofline")
             result.cand_rounds_s.append(statistics.median(batch["candidate"]))
             result.cand_samples_s += batch["candidate"]
             if self.ab:
                 result.base_rounds_s.append(statistics.median(batch["base"]))
 
     def measure_kernel(self, case: KernelCase) -> KernelResult:
-        """Measure one case on both sides (and the reference implementations on the candidate)."""
+        """Measure one case on both sides (and the reference implementations in this process)."""
         t0 = time.perf_counter()
-        agree = self._prepare(case)
         result = KernelResult(case)
-        if self.ab or case.kind == "matmul":  # a matmul is judged against its bound even alone
-            result.outputs_agree = agree
-        if not self.host_overhead_us and case.numel < 8_000_000:
-            self.host_overhead_us = self.worker.call("host_overhead", side="candidate")
-        self._rounds(result, self.schedule.rounds)
-        if self.references:
-            result.references_s = self.worker.call("references", names=list(REFERENCES))
-        self._release()
+        agree = self._prepare(case)
+        try:
+            if self.ab or case.kind == "matmul":  # a matmul is judged against its bound even alone
+                result.prepared_agree = agree
+            if not self.host_overhead_us and case.numel < 8_000_000 and case.kind != "matmul":
+                self.host_overhead_us = self.workers["candidate"].call("host_overhead")
+            self._rounds(result, self.schedule.rounds)
+            if self.references:
+                calls = self._stage.reference_calls(list(REFERENCES), case.bytes_moved())
+                stop = gpu_timer.StopRule(budget_s=0.2)
+                result.references_s = {name: self.timer.measure_with(fn, stop).median_s for name, fn in calls.items()}
+        finally:
+            self._release()
         result.wall_s = time.perf_counter() - t0
         self.kernel[case.id] = result
         return result
 
     def _release(self) -> None:
-        self.worker.call("release")
+        """The sides drop the lent buffers before the judge frees them."""
+        for worker in self.workers.values():
+            worker.call("release")
+        self._stage = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
     # -- end-to-end -------------------------------------------------------------------------------
     def measure_e2e(self) -> E2EResult:
         """The QLoRA step on both sides, ABBA rounds of wall-timed steps. Report-only."""
+        from harness.correctness import qlora
+
         checkpoint = str(Path(self._tmp) / "llama-checkpoint")
         result = E2EResult(E2E_STEP)
         try:
-            self.worker.call("e2e_prepare", checkpoint=checkpoint)
+            qlora.save_random_llama(checkpoint)
+            for worker in self.workers.values():
+                worker.call("e2e_prepare", checkpoint=checkpoint)
             for index in range(self.schedule.e2e_rounds):
                 batch: dict[str, list[float]] = {"base": [], "candidate": []}
                 for side in self._order(index):
-                    steps = self.worker.call("e2e_measure", side=side, steps=self.schedule.e2e_steps)
+                    steps = self.workers[side].call("e2e_measure", steps=self.schedule.e2e_steps)
                     batch[side] += steps["samples_s"]
                 result.cand_rounds_s.append(statistics.median(batch["candidate"]))
                 result.cand_samples_s += batch["candidate"]
                 if self.ab:
                     result.base_rounds_s.append(statistics.median(batch["base"]))
         finally:
-            self.worker.call("e2e_release")
+            for worker in self.workers.values():
+                worker.call("e2e_release")
             shutil.rmtree(checkpoint, ignore_errors=True)
         self.e2e[result.case] = result
         return result
@@ -243,5 +312,7 @@ class PerfSession:
         return lines
 
     def close(self) -> None:
-        self.worker.close()
+        for worker in self.workers.values():
+            worker.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        self.judge_changed = tree_guard.changed(self._fingerprint, tree_guard.fingerprint(self._guarded))

@@ -1,15 +1,11 @@
-"""The sides of an A/B session: checkouts whose own ``harness`` packages are measured.
+"""A side of an A/B session: a checkout whose own ``harness`` package is measured.
 
-The measuring process holds the judge (the base revision's timer and input factory, loaded
-first) and every side at once, so both sides run in one CUDA context on the same input buffers,
-and the output buffer each call allocates comes back from PyTorch's caching allocator at the
-same address: the only difference between the sides is their code. (Measured on an H100: with
-one process per side, small nested-scale cases differed by up to 4% on identical code.)
-
-Each side's modules are imported under their real names, ``harness`` and ``harness.*``, from the
-side's checkout, then set aside; ``Side.active()`` puts them back into ``sys.modules`` while the
-side runs, so an import the side's code makes at call time finds its own modules too. Modules
-already loaded keep the modules they bound at import, whatever ``sys.modules`` holds later.
+A side's measuring process (``harness.perf.worker``) holds the judge's timer, loaded first, and
+the side's package. The side's modules are imported under their real names, ``harness`` and
+``harness.*``, from the side's checkout, then set aside; ``Side.active()`` puts them back into
+``sys.modules`` while the side runs, so an import the side's code makes at call time finds its
+own modules too. Modules already loaded keep the modules they bound at import, whatever
+``sys.modules`` holds later.
 """
 
 from __future__ import annotations

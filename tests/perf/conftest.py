@@ -100,7 +100,9 @@ def pytest_sessionfinish(session, exitstatus):
             drift_line += ": " + ", ".join(f"{k} {v}" for k, v in counted.items() if v)
     drifted = sum(r.status == "DRIFTED" for r in drift.values())
     differing = sum(r.outputs_agree is False for r in perf.kernel.values())
-    status = gate.exit_status(perf.judgements, drifted, errors=session.testsfailed, differing=differing)
+    status = gate.exit_status(
+        perf.judgements, drifted, errors=session.testsfailed, differing=differing, judge_changed=len(perf.judge_changed)
+    )
     outputs = report.write_outputs(perf, drift, drift_line, status, out_dir)
     (out_dir / "verdicts.json").write_text(json.dumps(report.verdicts(perf, drift, status), indent=1) + "\n")
     terminal = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -1,0 +1,186 @@
+"""A perf case's inputs, built once by the judge and lent to every side's measuring process.
+
+The judge's process builds the case (bitsandbytes quantizes seeded random weights; a matmul case
+adds seeded activations) and the output buffer, and lends them to each side's process over CUDA
+IPC: both sides read the same input buffers and write the same output buffer, so the one
+difference between them is their code. (Measured on an H100: sides that built their own inputs,
+each in its own process, were up to 4% apart on identical code, on small nested-scale weights
+whose tensors each process placed differently.)
+
+Every sample gets fresh inputs: one small input, the *live* one (the absmax of a dequantization
+case, the activations of a matmul case), is overwritten with one of ``VARIANTS`` versions before
+each sample, never the same one twice in a row, so a drop-in that hands back a result it kept
+from an earlier call hands back the wrong one. A side copies what chosen calls returned into an
+evidence buffer of its own, lent to it alone, and the judge checks that evidence in its own
+process: a dequantization must give the base's bits for the same variant, a matmul must lie
+inside the fp64 reference's bound (its summation order is the kernel's to choose).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # registers the CUDA IPC reductions with ForkingPickler
+
+from harness.correctness import bitcompare, cases, matmul_reference
+
+VARIANTS = 3  # versions of the live input, one per sample in turn
+CHECKED = 3  # samples per batch whose output the judge checks
+SLOTS = max(VARIANTS, CHECKED)  # evidence slots: one per variant when a side is prepared
+
+
+@dataclass
+class Lent:
+    """What a side's process borrows: the case's buffers, and its own evidence buffer."""
+
+    kind: str
+    A: torch.Tensor
+    qs: object  # bitsandbytes' QuantState
+    x: torch.Tensor | None  # activations (matmul cases)
+    out: torch.Tensor
+    variants: torch.Tensor  # [VARIANTS, *live.shape]
+    evidence: torch.Tensor  # [SLOTS, *out.shape]
+
+    @property
+    def live(self) -> torch.Tensor:
+        return self.x if self.kind == "matmul" else self.qs.absmax
+
+    def refresh(self, variant: int) -> None:
+        self.live.copy_(self.variants[variant])
+
+    def call(self, entry: Callable) -> Callable[[], torch.Tensor]:
+        """The timed call of one side's drop-in (``dequantize_4bit`` or ``matmul_4bit``), as a
+        user makes it, writing into the lent output buffer."""
+        A, qs, out = self.A, self.qs, self.out
+        if self.kind == "matmul":
+            x, B = self.x, A.t()
+            return lambda: entry(x, B, qs, out=out)
+        return lambda: entry(A, qs, out=out)
+
+
+def borrow(lent: str) -> Lent:
+    """The side's end of ``Stage.lend``: the judge's buffers, mapped into this process."""
+    return pickle.loads(base64.b64decode(lent))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which variant each sample of a batch gets, and which samples' outputs are checked."""
+
+    variants: list[int]
+    checked: list[int]
+
+    @classmethod
+    def draw(cls, rng: random.Random, samples: int) -> BatchPlan:
+        variants = [rng.randrange(VARIANTS)]
+        while len(variants) < samples:
+            variants.append((variants[-1] + 1 + rng.randrange(VARIANTS - 1)) % VARIANTS)  # never the same twice
+        return cls(variants, sorted(rng.sample(range(samples), min(CHECKED, samples))))
+
+
+class Stage:
+    """The judge's end: builds the case once, lends it, and checks what each side returned."""
+
+    def __init__(self, spec: dict, device: torch.device):
+        self.spec, self.device = spec, device
+        self.kind = spec.get("kind", "dequantize")
+        dtype = cases.dtype_of(spec["dtype"])
+        A, qs = cases.quantize_weights(
+            spec["shape"], spec["quant"], spec["blocksize"], spec["nested"], dtype, spec["seed"], device=device
+        )
+        x, variants = None, None
+        if self.kind == "matmul":
+            tokens, K, seed = spec["tokens"], qs.shape[1], spec["seed"]
+            variants = torch.stack([self._activations(tokens, K, dtype, seed + 1 + v) for v in range(VARIANTS)])
+            x = variants[0].clone()
+            out = torch.empty(spec["tokens"], qs.shape[0], dtype=dtype, device=device)
+        else:
+            # The absmax with its blocks rotated: valid scales, and nearly every block's changed.
+            step = max(1, qs.absmax.numel() // VARIANTS)
+            variants = torch.stack([qs.absmax.roll(v * step + v) for v in range(VARIANTS)])
+            out = torch.empty(qs.shape, dtype=dtype, device=device)
+        self.lent = {"kind": self.kind, "A": A, "qs": qs, "x": x, "out": out, "variants": variants}
+        self.evidence: dict[str, torch.Tensor] = {}
+        self.expected: list[object] | None = self._references() if self.kind == "matmul" else None
+
+    def _activations(self, tokens: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+        g = cases.seeded_generator(seed, self.device)
+        return torch.randn(tokens, K, generator=g, device=self.device).to(dtype)
+
+    def _references(self) -> list[object]:
+        """The fp64 reference of each variant's matmul, on bitsandbytes' dequantized weights."""
+        import bitsandbytes.functional as F
+
+        lent = self.lent
+        W = F.dequantize_4bit(lent["A"], lent["qs"])
+        return [matmul_reference.reference(x, W, None, x.dtype) for x in lent["variants"]]
+
+    def lent_to(self, side: str) -> Lent:
+        """The case's buffers with a new evidence buffer of ``side``'s own."""
+        out = self.lent["out"]
+        self.evidence[side] = torch.empty((SLOTS, *out.shape), dtype=out.dtype, device=self.device)
+        return Lent(**self.lent, evidence=self.evidence[side])
+
+    def lend(self, side: str) -> str:
+        """``lent_to(side)`` as text for the pipe: CUDA IPC handles the side's process maps."""
+        lent = self.lent_to(side)
+        torch.cuda.synchronize(self.device)  # the buffers are complete before another process reads them
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(lent)
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    def _agrees(self, output: torch.Tensor, variant: int) -> bool:
+        if self.kind == "matmul":
+            return matmul_reference.judge(output, self.expected[variant]).ok
+        expected = self.expected[variant]
+        return torch.equal(bitcompare.int_view(output), bitcompare.int_view(expected))
+
+    def check_prepared(self, side: str) -> bool:
+        """After ``side`` was prepared (slot v holds its output for variant v): is every output
+        what the case demands? A dequantization's first prepared side (the base in an A/B
+        session) sets the bits every other output must have."""
+        evidence = self.evidence[side]
+        if self.expected is None:
+            self.expected = [evidence[v].clone() for v in range(VARIANTS)]
+            return True
+        return all(self._agrees(evidence[v], v) for v in range(VARIANTS))
+
+    def check_batch(self, side: str, plan: BatchPlan) -> bool:
+        """After a timed batch: is each checked sample's output what its variant demands?"""
+        evidence = self.evidence[side]
+        return all(self._agrees(evidence[slot], plan.variants[i]) for slot, i in enumerate(plan.checked))
+
+    def reference_calls(self, names: list[str], copy_bytes: int) -> dict[str, Callable[[], object]]:
+        """Other implementations on this case's inputs, for the report: bitsandbytes' kernel
+        alone (fp32 scales; none for a matmul case), its full ``dequantize_4bit`` (for a matmul
+        case: its ``matmul_4bit``), a device copy of ``copy_bytes`` (read + written)."""
+        import bitsandbytes
+        import bitsandbytes.functional as F
+
+        A, qs, x = self.lent["A"], self.lent["qs"], self.lent["x"]
+        calls: dict[str, Callable[[], object]] = {}
+        if "bnb_kernel" in names and self.kind != "matmul":
+            absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if qs.nested else qs.absmax
+            out = torch.empty(qs.shape, dtype=qs.dtype, device=self.device)
+            calls["bnb_kernel"] = lambda: torch.ops.bitsandbytes.dequantize_4bit.out(
+                A, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype, out=out
+            )
+        if "bnb_full" in names:
+            B = A.t()
+            calls["bnb_full"] = (
+                (lambda: bitsandbytes.matmul_4bit(x, B, qs))
+                if self.kind == "matmul"
+                else (lambda: F.dequantize_4bit(A, qs))
+            )
+        if "same_size_copy" in names:
+            src = torch.empty(copy_bytes // 2, dtype=torch.uint8, device=self.device)
+            dst = torch.empty_like(src)
+            calls["same_size_copy"] = lambda: dst.copy_(src)
+        return calls

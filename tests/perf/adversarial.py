@@ -1,0 +1,158 @@
+"""Candidates that attack the perf gate instead of being faster, built in a temporary copy of a
+checkout like the planted slowdowns (``tests/perf/planted.py``). A test fixture, never a switch in
+the product. Each must end in a red gate or an unchanged verdict, never a green FASTER:
+
+    memoise       the drop-ins hand back the result they kept for the same input objects,
+                  launching nothing (the timer gives every call the same objects)
+    side-stream   the drop-ins run on a stream of their own that the measured one never waits
+                  for, so the timed region holds no work
+    reach-base    the package's ``__init__`` wraps every other copy of the drop-ins it can find
+                  in its process with extra GPU work, to slow the base down
+    edit-judge    the package's ``__init__`` finds the base's checkout from the measuring
+                  processes' command lines, plants a slowdown in the base's kernel source (which
+                  the base compiles on its first call) and puts the file back when it exits
+
+    python -m tests.perf.adversarial DEST ATTACK
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tests.perf import planted
+
+# Appended to the modules that define the drop-ins; NAME is the drop-in's name there.
+_MEMOISE = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): hand back the first result for the same input objects.
+def _adversarial_memoise(fn):
+    kept = {}
+
+    def memoised(*args, **kwargs):
+        key = tuple(map(id, args)) + tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+        if key not in kept:
+            kept[key] = fn(*args, **kwargs)
+        return kept[key]
+
+    return memoised
+
+
+NAME = _adversarial_memoise(NAME)
+"""
+
+_SIDE_STREAM = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): the work on a stream the caller's never waits for.
+def _adversarial_side_stream(fn):
+    import torch
+
+    streams = {}
+
+    def elsewhere(*args, **kwargs):
+        current = torch.cuda.current_stream()
+        side = streams.setdefault(current.device, torch.cuda.Stream(current.device))
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            return fn(*args, **kwargs)
+
+    return elsewhere
+
+
+NAME = _adversarial_side_stream(NAME)
+"""
+
+# Appended to the package's __init__.
+_REACH_BASE = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): slow down every other copy of the drop-ins in reach.
+import harness.runtime.api as _own_api  # noqa: E402
+import harness.runtime.matmul as _own_matmul  # noqa: E402
+
+
+def _adversarial_reach_base():
+    import gc
+    import types
+
+    import torch
+
+    def slowed(fn):
+        def slower(*args, **kwargs):
+            torch.cuda._sleep(200_000)  # about 100 µs of GPU time, on the caller's stream
+            return fn(*args, **kwargs)
+
+        return slower
+
+    for module in [m for m in gc.get_objects() if isinstance(m, types.ModuleType)]:
+        if module in (_own_api, _own_matmul):
+            continue
+        for entry in ("dequantize_4bit", "matmul_4bit"):
+            if getattr(module, "__name__", "").startswith("harness.") and callable(getattr(module, entry, None)):
+                setattr(module, entry, slowed(getattr(module, entry)))
+
+
+_adversarial_reach_base()
+"""
+
+_EDIT_JUDGE = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): plant a slowdown in the base's kernel source, put it back at exit.
+def _adversarial_edit_judge():
+    import atexit
+    import pathlib
+    import sys
+
+    sys.path.insert(0, PLANTED_DIR)
+    import planted
+
+    for cmdline in pathlib.Path("/proc").glob("*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\\0")
+        except OSError:
+            continue
+        if b"harness.perf.worker" in argv and b"--side" in argv:
+            side = argv[argv.index(b"--side") + 1].decode()
+            if side.startswith("base="):
+                source = pathlib.Path(side[5:]) / "kernels" / "dequantize_4bit.cu"
+                original = source.read_text()
+                source.write_text(planted.planted_source(original, 0.5))
+                atexit.register(source.write_text, original)
+
+
+_adversarial_edit_judge()
+"""
+
+ATTACKS = ("memoise", "side-stream", "reach-base", "edit-judge")
+_DROP_INS = {Path("harness/runtime/api.py"): "dequantize_4bit", Path("harness/runtime/matmul.py"): "matmul_4bit"}
+
+
+def build(source_root: Path, dest: Path, attack: str) -> Path:
+    """Copy the checkout at ``source_root`` to ``dest`` with ``attack`` (one of ``ATTACKS``) in it."""
+    root = planted.copy_checkout(source_root, dest)
+    if attack in ("memoise", "side-stream"):
+        wrapper = _MEMOISE if attack == "memoise" else _SIDE_STREAM
+        for path, name in _DROP_INS.items():
+            (root / path).write_text((root / path).read_text() + wrapper.replace("NAME", name))
+        return root
+    init = root / "harness" / "__init__.py"
+    if attack == "reach-base":
+        init.write_text(init.read_text() + _REACH_BASE)
+    elif attack == "edit-judge":
+        init.write_text(init.read_text() + _EDIT_JUDGE.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
+    else:
+        raise ValueError(f"no such attack {attack!r}: one of {ATTACKS}")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.perf.adversarial", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("attack", choices=ATTACKS)
+    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[2])
+    args = parser.parse_args(argv)
+    print(build(args.source, args.dest, args.attack))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
