@@ -11,8 +11,9 @@ sessions by ``python -m tests.perf.gate_rates`` (numbers in kernels/NOTES.md).
 from __future__ import annotations
 
 import pytest
+import torch
 
-from harness.perf import catalog, gate
+from harness.perf import catalog, gate, stage
 from harness.perf.gate import Verdict
 from harness.perf.session import JUDGE_ROOT, PerfSession
 from tests.perf import adversarial, planted
@@ -32,8 +33,27 @@ ATTACK_CASE_IDS = (
 )
 
 
+def _cases(case_ids) -> list:
+    return [c for c in catalog.kernel_cases() + catalog.matmul_cases() if c.id in case_ids]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled():
+    """Every kernel these sessions run, compiled once into this machine's cache, which each
+    session copies into its sides' own caches: the sessions then time instead of compiling."""
+    if not torch.cuda.is_available():
+        return
+    import harness
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    for case in _cases(CASE_IDS + ATTACK_CASE_IDS):
+        st = stage.Stage(case.spec(0), device, torch.empty(1, dtype=torch.uint8, device=device))
+        st.lent_to("warm").call(harness.matmul_4bit if case.kind == "matmul" else harness.dequantize_4bit)()
+    torch.cuda.synchronize(device)
+
+
 def _session(candidate, run_seed, base=JUDGE_ROOT, case_ids=CASE_IDS) -> PerfSession:
-    cases = [c for c in catalog.kernel_cases() + catalog.matmul_cases() if c.id in case_ids]
+    cases = _cases(case_ids)
     session = PerfSession(candidate, base, seed=run_seed, references=False)
     try:
         for case in cases:

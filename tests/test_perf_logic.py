@@ -331,7 +331,7 @@ def _prepared_stage(kind: str) -> stage.Stage:
     import bitsandbytes.functional as F
 
     spec = {"shape": [48, 256], "quant": "nf4", "blocksize": 64, "nested": True, "dtype": "bf16", "seed": 3}
-    st = stage.Stage(spec | {"kind": kind, "tokens": 5}, torch.device("cpu"))
+    st = stage.Stage(spec | {"kind": kind, "tokens": 5}, torch.device("cpu"), torch.empty(64, dtype=torch.uint8))
     for side in ("base", "candidate"):
         lent = st.lent_to(side)
         for variant in range(stage.VARIANTS):

@@ -191,7 +191,7 @@ class PerfSession:
     def _prepare(self, case: KernelCase) -> bool:
         """Build the case, lend it to every side, and say whether each side's prepared outputs
         are what the case demands."""
-        self._stage = stage.Stage(case.spec(self.seed), self.device)
+        self._stage = stage.Stage(case.spec(self.seed), self.device, self.timer.flush_buffer)
         agree = True
         for name, worker in self.workers.items():
             worker.call("kernel_case", lent=self._stage.lend(name))

@@ -2,10 +2,10 @@
 
 The judge's process builds the case (bitsandbytes quantizes seeded random weights; a matmul case
 adds seeded activations) and the output buffer, and lends them to each side's process over CUDA
-IPC: both sides read the same input buffers and write the same output buffer, so the one
-difference between them is their code. (Measured on an H100: sides that built their own inputs,
-each in its own process, were up to 4% apart on identical code, on small nested-scale weights
-whose tensors each process placed differently.)
+IPC: both sides read the same input buffers, write the same output buffer and flush the L2 by
+writing the same buffer, so what differs between them is their code. (Measured on an H100: sides
+that built their own inputs, each in its own process, were up to 4% apart on identical code, on
+small nested-scale weights whose tensors each process placed differently.)
 
 Every sample gets fresh inputs: one small input, the *live* one (the absmax of a dequantization
 case, the activations of a matmul case), is overwritten with one of ``VARIANTS`` versions before
@@ -46,6 +46,7 @@ class Lent:
     x: torch.Tensor | None  # activations (matmul cases)
     out: torch.Tensor
     variants: torch.Tensor  # [VARIANTS, *live.shape]
+    flush: torch.Tensor  # the judge's L2 flush buffer: every side leaves the L2 in the same state
     evidence: torch.Tensor  # [SLOTS, *out.shape]
 
     @property
@@ -88,7 +89,7 @@ class BatchPlan:
 class Stage:
     """The judge's end: builds the case once, lends it, and checks what each side returned."""
 
-    def __init__(self, spec: dict, device: torch.device):
+    def __init__(self, spec: dict, device: torch.device, flush: torch.Tensor):
         self.spec, self.device = spec, device
         self.kind = spec.get("kind", "dequantize")
         dtype = cases.dtype_of(spec["dtype"])
@@ -106,7 +107,7 @@ class Stage:
             step = max(1, qs.absmax.numel() // VARIANTS)
             variants = torch.stack([qs.absmax.roll(v * step + v) for v in range(VARIANTS)])
             out = torch.empty(qs.shape, dtype=dtype, device=device)
-        self.lent = {"kind": self.kind, "A": A, "qs": qs, "x": x, "out": out, "variants": variants}
+        self.lent = {"kind": self.kind, "A": A, "qs": qs, "x": x, "out": out, "variants": variants, "flush": flush}
         self.evidence: dict[str, torch.Tensor] = {}
         self.expected: list[object] | None = self._references() if self.kind == "matmul" else None
 

@@ -37,6 +37,7 @@ class Worker:
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
+        self.own_flush = self.timer.flush_buffer  # replaced by the judge's while a case is lent
         self.side = sides.Side(name, root)
         self.lent = None
         self.e2e = None
@@ -50,6 +51,7 @@ class Worker:
         poisoned output, each output copied to its evidence slot for the judge to check."""
         self.op_release()
         self.lent = self.stage.borrow(lent)
+        self.timer.flush_buffer = self.lent.flush
         call = self.lent.call(self._entry())
         with self.side.active():
             for variant in range(self.stage.VARIANTS):
@@ -102,6 +104,7 @@ class Worker:
     def op_release(self) -> dict:
         """Drop the borrowed case (before the judge frees it)."""
         self.lent = None
+        self.timer.flush_buffer = self.own_flush
         self.torch.cuda.synchronize(self.device)
         self.torch.cuda.empty_cache()
         return {}
