@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.perf import catalog, gate, stage
+from harness.perf import catalog, gate, policy, stage
 from harness.perf.gate import Verdict
 from harness.perf.session import JUDGE_ROOT, PerfSession
 from tests.perf import adversarial, planted
@@ -52,9 +52,9 @@ def _compiled():
     torch.cuda.synchronize(device)
 
 
-def _session(candidate, run_seed, base=JUDGE_ROOT, case_ids=CASE_IDS) -> PerfSession:
+def _session(candidate, run_seed, base=JUDGE_ROOT, case_ids=CASE_IDS, isolation=policy.ISOLATION) -> PerfSession:
     cases = _cases(case_ids)
-    session = PerfSession(candidate, base, seed=run_seed, references=False)
+    session = PerfSession(candidate, base, seed=run_seed, references=False, isolation=isolation)
     try:
         for case in cases:
             session.measure_kernel(case)
@@ -96,8 +96,8 @@ def _status(session: PerfSession) -> int:
     return gate.exit_status(session.judgements, differing=differing, judge_changed=len(session.judge_changed))
 
 
-# What each attack must end in: the timer's checks catch the first two, the process of each side
-# its own makes the third change nothing, the judge's file guard catches the fourth.
+# What each attack must end in: the timer's checks catch the first two, a process for each side
+# makes the third change nothing, the judge's file guard catches the fourth.
 ATTACK_OUTCOMES = {
     "memoise": gate.EXIT_OUTPUT_DIFFERS,
     "side-stream": gate.EXIT_OUTPUT_DIFFERS,
@@ -109,7 +109,8 @@ ATTACK_OUTCOMES = {
 @pytest.mark.parametrize("attack", adversarial.ATTACKS)
 def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_seed, attack):
     base = planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")  # the copy an attack may write into
-    session = _session(adversarial.build(JUDGE_ROOT, tmp_path / attack, attack), run_seed, base, ATTACK_CASE_IDS)
+    candidate = adversarial.build(JUDGE_ROOT, tmp_path / attack, attack)
+    session = _session(candidate, run_seed, base, ATTACK_CASE_IDS, policy.Isolation.PER_SIDE)
     verdicts = {cid: j.verdict for cid, j in session.judgements.items()}
     assert set(verdicts) == set(ATTACK_CASE_IDS)
     assert _status(session) == ATTACK_OUTCOMES[attack], (verdicts, session.judge_changed)

@@ -15,6 +15,7 @@ slowdown sessions they came from. The judge always reads this module from the ba
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -44,6 +45,19 @@ FAMILY_ALPHA = 0.01
 CASE_CONFIDENCE = 0.99
 # The drift tolerance is at least this many times the baseline's between-session spread.
 DRIFT_SPREAD_FACTOR = 3.0
+
+
+class Isolation(enum.Enum):
+    """Where the sides are measured: each in a process of its own (neither side's code can reach
+    the other's timing), or both in one process (the same CUDA context, so the same mappings of
+    the judge's buffers). The judge is a process apart either way."""
+
+    PER_SIDE = "per-side"
+    SHARED = "shared"
+
+
+ISOLATION = Isolation.PER_SIDE
+
 # No timed call can move its bytes faster than the same session's device copy; one that seems to
 # by more than this factor did its work outside the timed region, and its batch is rejected.
 ROOFLINE_MARGIN = 1.10

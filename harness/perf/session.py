@@ -1,13 +1,14 @@
 """A perf session: the base and the candidate measured side by side on one GPU, in one job.
 
 This process is the judge: the base revision's code, holding the schedule, the case list, the
-statistics, the verdicts and every file the session writes. Each side is measured in a process
-of its own (``harness.perf.worker``) that imports that side's checkout (``harness.perf.sides``),
-so each is timed through its own API, launcher and kernel; nothing of the candidate is imported
-here. The judge builds each case's inputs once and lends the same buffers to both sides
-(``harness.perf.stage``), and checks the outputs they return. Per case, rounds of ABBA batches
-(base, candidate, candidate, base; the next round BAAB) put clock and thermal drift on both sides
-alike; each round's ratio of medians is one paired observation (``stats``).
+statistics, the verdicts and every file the session writes. The sides are measured in processes
+of their own (``harness.perf.worker``, one per side or one for both: ``policy.Isolation``) that
+import each side's checkout (``harness.perf.sides``), so each is timed through its own API,
+launcher and kernel; nothing of the candidate is imported here. The judge builds each case's
+inputs once, lends the same buffers to both sides (``harness.perf.stage``) and checks the
+outputs they return. Per case, rounds of ABBA batches (base, candidate, candidate, base; the next
+round BAAB) put clock and thermal drift on both sides alike; each round's ratio of medians is one
+paired observation (``stats``).
 
 Without a base the session measures the candidate alone: the drift guard against the stored
 baseline still runs, and ``--save-baseline`` records from it.
@@ -46,13 +47,14 @@ class WorkerError(RuntimeError):
 class Worker:
     """The judge's end of one side's measuring process."""
 
-    def __init__(self, name: str, root: Path, cache: Path):
+    def __init__(self, side_roots: dict[str, Path], cache: Path):
         env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}  # each side its own kernels/
-        env[settings.CACHE_DIR.name] = str(cache)  # compiled kernels and host launcher: this side's alone
+        env[settings.CACHE_DIR.name] = str(cache)  # compiled kernels and host launcher: this process's alone
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(JUDGE_ROOT), env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
+        sides_args = [a for name, root in side_roots.items() for a in ("--side", f"{name}={root}")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.perf.worker", "--side", f"{name}={root}"],
+            [sys.executable, "-m", "harness.perf.worker", *sides_args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -139,8 +141,9 @@ class PerfSession:
         schedule: policy.Schedule = policy.SCHEDULE,
         seed: int = 0,
         references: bool = True,
+        isolation: policy.Isolation = policy.ISOLATION,
     ):
-        self.schedule, self.seed, self.references = schedule, seed, references
+        self.schedule, self.seed, self.references, self.isolation = schedule, seed, references, isolation
         self.candidate_root, self.base_root = Path(candidate_root).resolve(), base_root and Path(base_root).resolve()
         self.gpu = gpu_info.gpu_identity(gpu_info.nvml_device(0))
         self.kernel: dict[str, KernelResult] = {}
@@ -161,18 +164,24 @@ class PerfSession:
         self.judge_changed: list[str] = []
         # The base first: in a dequantization case its prepared outputs are the bits to match.
         roots = ({"base": self.base_root} if self.base_root else {}) | {"candidate": self.candidate_root}
-        self.workers: dict[str, Worker] = {}
+        groups = [roots] if isolation is policy.Isolation.SHARED else [{n: r} for n, r in roots.items()]
+        self.workers: dict[str, Worker] = {}  # side -> its measuring process
         try:
-            for name, root in roots.items():
-                self.workers[name] = Worker(name, root, self._side_cache(name))
+            for group in groups:
+                worker = Worker(group, self._process_cache("-".join(group)))
+                self.workers |= dict.fromkeys(group, worker)
         except BaseException:
             self.close()
             raise
 
-    def _side_cache(self, side: str) -> Path:
-        """A compile cache of the side's own, seeded from this machine's before either side's
-        process starts: nothing one side writes into it during the session reaches the other."""
-        cache, seed = Path(self._tmp) / f"{side}-cache", jit.cache_dir()
+    @property
+    def processes(self) -> list[Worker]:
+        return list({id(w): w for w in self.workers.values()}.values())
+
+    def _process_cache(self, name: str) -> Path:
+        """A compile cache of the measuring process's own, seeded from this machine's before any
+        side's process starts: nothing one process writes into it reaches another."""
+        cache, seed = Path(self._tmp) / f"{name}-cache", jit.cache_dir()
         if seed.is_dir():
             shutil.copytree(seed, cache, symlinks=True)
         return cache
@@ -194,7 +203,7 @@ class PerfSession:
         self._stage = stage.Stage(case.spec(self.seed), self.device, self.timer.flush_buffer)
         agree = True
         for name, worker in self.workers.items():
-            worker.call("kernel_case", lent=self._stage.lend(name))
+            worker.call("kernel_case", side=name, lent=self._stage.lend(name))
             agree = self._stage.check_prepared(name) and agree
         return agree
 
@@ -206,7 +215,7 @@ class PerfSession:
             for side in self._order(index):
                 plan = stage.BatchPlan.draw(self._rng, self.schedule.samples)
                 reply = self.workers[side].call(
-                    "measure", samples=self.schedule.samples, variants=plan.variants, checked=plan.checked
+                    "measure", side=side, samples=self.schedule.samples, variants=plan.variants, checked=plan.checked
                 )
                 batch[side] += reply["samples_s"]
                 if not self._stage.check_batch(side, plan):
@@ -227,7 +236,7 @@ class PerfSession:
             if self.ab or case.kind == "matmul":  # a matmul is judged against its bound even alone
                 result.prepared_agree = agree
             if not self.host_overhead_us and case.numel < 8_000_000 and case.kind != "matmul":
-                self.host_overhead_us = self.workers["candidate"].call("host_overhead")
+                self.host_overhead_us = self.workers["candidate"].call("host_overhead", side="candidate")
             self._rounds(result, self.schedule.rounds)
             if self.references:
                 calls = self._stage.reference_calls(list(REFERENCES), case.bytes_moved())
@@ -241,7 +250,7 @@ class PerfSession:
 
     def _release(self) -> None:
         """The sides drop the lent buffers before the judge frees them."""
-        for worker in self.workers.values():
+        for worker in self.processes:
             worker.call("release")
         self._stage = None
         torch.cuda.synchronize(self.device)
@@ -257,19 +266,19 @@ class PerfSession:
         result = E2EResult(E2E_STEP)
         try:
             qlora.save_random_llama(checkpoint)
-            for worker in self.workers.values():
+            for worker in self.processes:
                 worker.call("e2e_prepare", checkpoint=checkpoint)
             for index in range(self.schedule.e2e_rounds):
                 batch: dict[str, list[float]] = {"base": [], "candidate": []}
                 for side in self._order(index):
-                    steps = self.workers[side].call("e2e_measure", steps=self.schedule.e2e_steps)
+                    steps = self.workers[side].call("e2e_measure", side=side, steps=self.schedule.e2e_steps)
                     batch[side] += steps["samples_s"]
                 result.cand_rounds_s.append(statistics.median(batch["candidate"]))
                 result.cand_samples_s += batch["candidate"]
                 if self.ab:
                     result.base_rounds_s.append(statistics.median(batch["base"]))
         finally:
-            for worker in self.workers.values():
+            for worker in self.processes:
                 worker.call("e2e_release")
             shutil.rmtree(checkpoint, ignore_errors=True)
         self.e2e[result.case] = result
@@ -312,7 +321,7 @@ class PerfSession:
         return lines
 
     def close(self) -> None:
-        for worker in self.workers.values():
+        for worker in self.processes:
             worker.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
         self.judge_changed = tree_guard.changed(self._fingerprint, tree_guard.fingerprint(self._guarded))

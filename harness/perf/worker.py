@@ -1,11 +1,13 @@
-"""A side's measuring process, driven over a pipe by the judge's ``harness.perf.session``.
+"""A measuring process, driven over a pipe by the judge's ``harness.perf.session``.
 
-Started as ``python -m harness.perf.worker --side NAME=DIR`` with the judge's checkout first on
-the import path: it loads the judge's timer, then the side's own ``harness`` (``sides.Side``), and
-times that side's drop-in on the inputs the judge lends it (``harness.perf.stage``), or its
-``patch_bitsandbytes`` in the end-to-end step. Each side has a process of its own, so nothing a
+Started as ``python -m harness.perf.worker --side NAME=DIR [--side NAME=DIR]`` with the judge's
+checkout first on the import path: it loads the judge's timer, then each side's own ``harness``
+(``sides.Side``), and times a side's drop-in on the inputs the judge lends it
+(``harness.perf.stage``), or its ``patch_bitsandbytes`` in the end-to-end step. The judge runs one
+such process per side, or one for both (``policy.Isolation``): in a process of its own, nothing a
 side's code does to its process (a global, a torch setting, a stream, the allocator) reaches the
-other side's timing or the judge, which holds the schedule, the statistics and the verdict.
+other side's timing; the judge, which holds the schedule, the statistics and the verdict, is
+always a process apart.
 
 Protocol: one JSON object per line each way. A request is ``{"op": NAME, ...}``; the reply is the
 op's result, or ``{"error": TRACEBACK}``. The protocol channel is this process's original
@@ -23,12 +25,12 @@ from pathlib import Path
 
 
 class Worker:
-    """The state of one side's measuring process: the judge's timer, the side, the lent case."""
+    """The state of a measuring process: the judge's timer, the sides, what each borrowed."""
 
-    def __init__(self, name: str, root: Path):
+    def __init__(self, side_roots: dict[str, Path]):
         import torch
 
-        # The judge's code, loaded before the side's.
+        # The judge's code, loaded before any side's.
         from harness.correctness import qlora
         from harness.correctness.bitcompare import poison_
         from harness.perf import gpu_info, gpu_timer, sides, stage
@@ -38,34 +40,34 @@ class Worker:
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
         self.own_flush = self.timer.flush_buffer  # replaced by the judge's while a case is lent
-        self.side = sides.Side(name, root)
-        self.lent = None
+        self.sides = {name: sides.Side(name, root) for name, root in side_roots.items()}
+        self.lent: dict[str, object] = {}
         self.e2e = None
 
     # -- kernel cases ---------------------------------------------------------------------------
-    def _entry(self):
-        return self.side.matmul_4bit if self.lent.kind == "matmul" else self.side.dequantize_4bit
+    def _call(self, side: str):
+        lent, chosen = self.lent[side], self.sides[side]
+        return lent.call(chosen.matmul_4bit if lent.kind == "matmul" else chosen.dequantize_4bit)
 
-    def op_kernel_case(self, lent: str) -> dict:
-        """Borrow the judge's case and run the side once per variant of the live input, on a
-        poisoned output, each output copied to its evidence slot for the judge to check."""
-        self.op_release()
-        self.lent = self.stage.borrow(lent)
-        self.timer.flush_buffer = self.lent.flush
-        call = self.lent.call(self._entry())
-        with self.side.active():
+    def op_kernel_case(self, side: str, lent: str) -> dict:
+        """Borrow the judge's case for ``side`` and run it once per variant of the live input, on
+        a poisoned output, each output copied to its evidence slot for the judge to check."""
+        self.lent[side] = borrowed = self.stage.borrow(lent)
+        self.timer.flush_buffer = borrowed.flush
+        call = self._call(side)
+        with self.sides[side].active():
             for variant in range(self.stage.VARIANTS):
-                self.lent.refresh(variant)
-                self.poison_(self.lent.out, alternate=variant % 2 == 1)
-                self.lent.evidence[variant].copy_(call())
+                borrowed.refresh(variant)
+                self.poison_(borrowed.out, alternate=variant % 2 == 1)
+                borrowed.evidence[variant].copy_(call())
         self.torch.cuda.synchronize(self.device)
         return {}
 
-    def op_measure(self, samples: int, variants: list[int], checked: list[int]) -> dict:
+    def op_measure(self, side: str, samples: int, variants: list[int], checked: list[int]) -> dict:
         """One batch: ``samples`` cold-L2 GPU times of the side's call (seconds). Sample ``i``
         gets variant ``variants[i]`` of the live input; the output of each sample in ``checked``
         goes to the evidence slot of its position there."""
-        lent, taken = self.lent, 0
+        lent, taken = self.lent[side], 0
 
         def prepare():
             lent.refresh(variants[taken % len(variants)])
@@ -76,21 +78,21 @@ class Worker:
                 lent.evidence[checked.index(taken)].copy_(result)
             taken += 1
 
-        call = lent.call(self._entry())
-        with self.side.active():
+        call = self._call(side)
+        with self.sides[side].active():
             m = self.timer.batch(call, samples, hooks=self.gpu_timer.Hooks(prepare, collect))
         self.torch.cuda.synchronize(self.device)
         return {"samples_s": m.samples_s, "discarded": m.discarded}
 
-    def op_host_overhead(self, calls: int = 500) -> dict:
+    def op_host_overhead(self, side: str, calls: int = 500) -> dict:
         """Host time per call, queue never full: the side's dequantization (allocating and with
         out=), bitsandbytes' full path, and two floors every caller pays on this host: allocating
         the output alone and one bare cuda-python launch (the timer's blocking kernel, released)."""
         import bitsandbytes.functional as F
 
-        torch = self.torch
-        A, qs, out = self.lent.A, self.lent.qs, self.lent.out
-        dequantize = self.side.dequantize_4bit
+        torch, lent, chosen = self.torch, self.lent[side], self.sides[side]
+        A, qs, out = lent.A, lent.qs, lent.out
+        dequantize = chosen.dequantize_4bit
         fns = {
             "ours": lambda: dequantize(A, qs),
             "ours out=": lambda: dequantize(A, qs, out=out),
@@ -98,12 +100,12 @@ class Worker:
             "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
             "floor: bare launch": self.timer.bare_launch(),
         }
-        with self.side.active():
+        with chosen.active():
             return self.gpu_timer.host_us_per_call(fns, lambda: torch.cuda.synchronize(self.device), calls)
 
     def op_release(self) -> dict:
-        """Drop the borrowed case (before the judge frees it)."""
-        self.lent = None
+        """Drop every borrowed case (before the judge frees it)."""
+        self.lent.clear()
         self.timer.flush_buffer = self.own_flush
         self.torch.cuda.synchronize(self.device)
         self.torch.cuda.empty_cache()
@@ -111,31 +113,32 @@ class Worker:
 
     # -- end-to-end ------------------------------------------------------------------------------
     def op_e2e_prepare(self, checkpoint: str) -> dict:
-        """Load the judge's random-weight checkpoint as the QLoRA model this side steps."""
+        """Load the judge's random-weight checkpoint as the QLoRA model the sides step."""
         self.op_release()
         self.e2e = self.qlora.load_qlora(checkpoint)
-        self.op_e2e_measure(2)  # warm-up: compilation, allocator, cuBLAS handles
+        for side in self.sides:
+            self.op_e2e_measure(side, 2)  # warm-up: compilation, allocator, cuBLAS handles
         return {}
 
-    def op_e2e_measure(self, steps: int) -> dict:
-        """Wall time per QLoRA training step with the side's patch applied (synchronised)."""
+    def op_e2e_measure(self, side: str, steps: int) -> dict:
+        """Wall time per QLoRA training step with one side's patch applied (synchronised)."""
         import gc
 
-        model, ids, side = self.e2e.model, self.e2e.input_ids, self.side
+        model, ids, chosen = self.e2e.model, self.e2e.input_ids, self.sides[side]
 
         def step():
             model.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids).loss.backward()
 
         gc.collect()
-        with side.active():
-            side.patch_bitsandbytes()
+        with chosen.active():
+            chosen.patch_bitsandbytes()
             gc.disable()  # a collection inside a step showed up as a 4x outlier
             try:
                 return {"samples_s": self.qlora.wall_times(step, steps)}
             finally:
                 gc.enable()
-                side.unpatch_bitsandbytes()
+                chosen.unpatch_bitsandbytes()
 
     def op_e2e_release(self) -> dict:
         self.e2e = None
@@ -159,13 +162,13 @@ def serve(worker: Worker, requests, replies) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.perf.worker")
-    parser.add_argument("--side", required=True, metavar="NAME=DIR", help="the side to measure")
+    parser.add_argument("--side", action="append", required=True, metavar="NAME=DIR", help="a side to measure")
     args = parser.parse_args(argv)
-    name, root = args.side.split("=", 1)
+    side_roots = {name: Path(root) for name, root in (s.split("=", 1) for s in args.side)}
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the protocol
     try:
-        worker = Worker(name, Path(root))
+        worker = Worker(side_roots)
     except Exception:
         replies.write(json.dumps({"error": traceback.format_exc()}) + "\n")
         replies.flush()

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 
-from harness.perf import baseline, gate, gpu_info, report
+from harness.perf import baseline, gate, gpu_info, policy, report
 from harness.perf.session import JUDGE_ROOT, PerfSession
 
 SESSION_KEY = pytest.StashKey[PerfSession]()
@@ -56,6 +56,12 @@ def pytest_addoption(parser):
     group.addoption("--baseline-dir", default=str(JUDGE_ROOT / "baselines"), help="stored baselines (the judge's)")
     group.addoption("--perf-out", default="perf-out", help="directory for the summary, plot and session record")
     group.addoption("--no-references", action="store_true", help="skip the bitsandbytes and copy reference timings")
+    group.addoption(
+        "--isolation",
+        choices=[i.value for i in policy.Isolation],
+        default=policy.ISOLATION.value,
+        help="measure each side in a process of its own, or both in one (harness.perf.policy.Isolation)",
+    )
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -70,6 +76,7 @@ def perf_session(request, run_seed):
         Path(opt("--base-dir")) if opt("--base-dir") else None,
         seed=run_seed,
         references=not opt("--no-references"),
+        isolation=policy.Isolation(opt("--isolation")),
     )
     request.config.stash[SESSION_KEY] = session
     try:

@@ -1,7 +1,7 @@
 """How often the perf gate is wrong: repeated A/B sessions of unchanged code and of planted
 slowdowns, one session per GPU at a time, each through the same pytest path as ``nox -s perf``.
 
-    python -m tests.perf.gate_rates --out DIR [--repeat N] [-k EXPR] SCENARIO...
+    python -m tests.perf.gate_rates --out DIR [--repeat N] [-k EXPR] [--isolation per-side|shared] SCENARIO...
 
 SCENARIO is ``aa`` (the candidate is an unchanged copy of this checkout), ``plant:X`` (every
 launch of its dequantization kernel takes 1 + X times as long, ``tests/perf/planted.py``),
@@ -44,7 +44,7 @@ def scenario_tree(scenario: str, source: Path, tmp: Path) -> Path:
     return planted.build(source, dest, float(stretch), only_fp32=kind == "fp32", kernel=kernel)
 
 
-def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None) -> dict:
+def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None, isolation: str | None = None) -> dict:
     """One A/B session (base: this checkout) on one GPU; its exit status, verdicts and wall time."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -52,6 +52,7 @@ def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None) -> dic
         "--require-gpu", "--benchmark-only", "--no-references", f"--base-dir={ROOT}",
         f"--candidate-dir={candidate}", f"--perf-out={out}", f"--benchmark-json={out / 'benchmark.json'}",
         "-k", f"not qlora and ({k_expr})" if k_expr else "not qlora",
+        *([f"--isolation={isolation}"] if isolation else []),
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("-k", dest="k_expr", default=None, help="pytest -k expression selecting the cases")
+    parser.add_argument("--isolation", default=None, help="the perf session's --isolation (default: the policy's)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="nf4-gate-rates-"))
     repeats = {s.split("*")[0]: int(s.split("*")[1]) if "*" in s else args.repeat for s in args.scenarios}
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             except queue.Empty:
                 return
             out = args.out / scenario.replace(":", "-") / f"session-{rep:02d}-gpu{gpu}"
-            result = run_session(gpu, trees[scenario], out, args.k_expr)
+            result = run_session(gpu, trees[scenario], out, args.k_expr, args.isolation)
             with lock:
                 results[scenario].append(result)
                 print(f"{scenario} #{rep} gpu{gpu}: status {result['status']} in {result['wall_s']:.0f} s", flush=True)
