@@ -96,25 +96,28 @@ def _status(session: PerfSession) -> int:
     return gate.exit_status(session.judgements, differing=differing, judge_changed=len(session.judge_changed))
 
 
-# What each attack must end in: the timer's checks catch the first two, a process for each side
-# makes the third change nothing, the judge's file guard catches the fourth.
+# What each attack must end in, and how the sides are measured for it: the timer's checks catch
+# the first two; a process for each side makes the third change nothing; the judge's process,
+# apart from every side's, the fourth; the judge's file guard catches the fifth.
 ATTACK_OUTCOMES = {
-    "memoise": gate.EXIT_OUTPUT_DIFFERS,
-    "side-stream": gate.EXIT_OUTPUT_DIFFERS,
-    "reach-base": gate.EXIT_OK,
-    "edit-judge": gate.EXIT_JUDGE_CHANGED,
+    "memoise": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
+    "side-stream": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
+    "reach-base": (gate.EXIT_OK, policy.Isolation.PER_SIDE),
+    "reach-judge": (gate.EXIT_OK, policy.ISOLATION),
+    "edit-judge": (gate.EXIT_JUDGE_CHANGED, policy.ISOLATION),
 }
 
 
 @pytest.mark.parametrize("attack", adversarial.ATTACKS)
 def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_seed, attack):
     base = planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")  # the copy an attack may write into
+    expected, isolation = ATTACK_OUTCOMES[attack]
     candidate = adversarial.build(JUDGE_ROOT, tmp_path / attack, attack)
-    session = _session(candidate, run_seed, base, ATTACK_CASE_IDS, policy.Isolation.PER_SIDE)
+    session = _session(candidate, run_seed, base, ATTACK_CASE_IDS, isolation)
     verdicts = {cid: j.verdict for cid, j in session.judgements.items()}
     assert set(verdicts) == set(ATTACK_CASE_IDS)
-    assert _status(session) == ATTACK_OUTCOMES[attack], (verdicts, session.judge_changed)
-    if ATTACK_OUTCOMES[attack] == gate.EXIT_OK:
+    assert _status(session) == expected, (verdicts, session.judge_changed)
+    if expected == gate.EXIT_OK:
         assert set(verdicts.values()) == {Verdict.SAME}, verdicts
     if attack == "edit-judge":
         assert str(base / "kernels" / "dequantize_4bit.cu") in session.judge_changed

@@ -421,6 +421,7 @@ ATTACKED_FILES = {
     "memoise": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
     "side-stream": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
     "reach-base": ["harness/__init__.py"],
+    "reach-judge": ["harness/__init__.py"],
     "edit-judge": ["harness/__init__.py"],
 }
 

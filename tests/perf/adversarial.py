@@ -8,6 +8,8 @@ the product. Each must end in a red gate or an unchanged verdict, never a green 
                   for, so the timed region holds no work
     reach-base    the package's ``__init__`` wraps every other copy of the drop-ins it can find
                   in its process with extra GPU work, to slow the base down
+    reach-judge   the package's ``__init__`` replaces the verdicts and the exit status of every
+                  copy of the gate it can find in its process with FASTER and a pass
     edit-judge    the package's ``__init__`` finds the base's checkout from the measuring
                   processes' command lines, plants a slowdown in the base's kernel source (which
                   the base compiles on its first call) and puts the file back when it exits
@@ -94,6 +96,29 @@ def _adversarial_reach_base():
 _adversarial_reach_base()
 """
 
+_REACH_JUDGE = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): every gate in reach says FASTER and passes.
+def _adversarial_reach_judge():
+    import gc
+    import types
+
+    for module in [m for m in gc.get_objects() if isinstance(m, types.ModuleType)]:
+        if getattr(module, "__name__", "") == "harness.perf.gate" and hasattr(module, "Verdict"):
+            judge, verdict = module.judge, module.Verdict
+
+            def faster(evidence, judge=judge, verdict=verdict):
+                import dataclasses
+
+                return {c: dataclasses.replace(j, verdict=verdict.FASTER) for c, j in judge(evidence).items()}
+
+            module.judge = faster
+            module.exit_status = lambda *args, **kwargs: 0
+
+
+_adversarial_reach_judge()
+"""
+
 _EDIT_JUDGE = """
 
 # ADVERSARIAL (tests/perf/adversarial.py): plant a slowdown in the base's kernel source, put it back at exit.
@@ -122,7 +147,7 @@ def _adversarial_edit_judge():
 _adversarial_edit_judge()
 """
 
-ATTACKS = ("memoise", "side-stream", "reach-base", "edit-judge")
+ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge")
 _DROP_INS = {Path("harness/runtime/api.py"): "dequantize_4bit", Path("harness/runtime/matmul.py"): "matmul_4bit"}
 
 
@@ -137,6 +162,8 @@ def build(source_root: Path, dest: Path, attack: str) -> Path:
     init = root / "harness" / "__init__.py"
     if attack == "reach-base":
         init.write_text(init.read_text() + _REACH_BASE)
+    elif attack == "reach-judge":
+        init.write_text(init.read_text() + _REACH_JUDGE)
     elif attack == "edit-judge":
         init.write_text(init.read_text() + _EDIT_JUDGE.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
     else:
