@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from harness import settings
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import HostLauncherUnavailable, KernelLaunchError, SettingError
-from harness.runtime import api, dequantize_kernel, host_launcher
+from harness.runtime import api, dequantize_kernel, host_launcher, jit
 from harness.runtime.dequantize_kernel import OUT_DTYPES, QUANT_TYPES
 from tests.threads import in_fresh_thread
 
@@ -83,6 +84,41 @@ def test_build_dir_names_torch_python_and_source():
     name = host_launcher.build_dir().name
     assert torch.__version__ in name
     assert host_launcher.MODULE_NAME in name
+
+
+def _refuse_to_build(**_kwargs):
+    raise AssertionError("built again")
+
+
+def test_a_finished_build_is_imported_from_a_copied_cache_and_a_checkout_elsewhere(module, tmp_path, monkeypatch):
+    """Each perf measuring process gets a copy of the cache, and a candidate is a checkout at
+    another path: neither may pay for the build again (cpp_extension's ninja file names the
+    source's path, so going through it would)."""
+    from torch.utils import cpp_extension
+
+    built = host_launcher.build_dir()
+    copied = tmp_path / "cache" / built.relative_to(jit.cache_dir())
+    shutil.copytree(built, copied)
+    elsewhere = tmp_path / "checkout" / host_launcher.SOURCE.name
+    elsewhere.parent.mkdir()
+    shutil.copy(host_launcher.SOURCE, elsewhere)
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
+    monkeypatch.setattr(host_launcher, "SOURCE", elsewhere)
+    monkeypatch.setattr(cpp_extension, "load", _refuse_to_build)
+    again = host_launcher.build()
+    assert again.__file__ == str(copied / f"{host_launcher.MODULE_NAME}.so")
+    assert again is not module and sorted(dir(again)) == sorted(dir(module))
+
+
+def test_a_broken_library_is_built_again(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path))
+    directory = host_launcher.build_dir()
+    directory.mkdir(parents=True)
+    (directory / f"{host_launcher.MODULE_NAME}.so").write_bytes(b"\x7fELF cut short by a killed link")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: ("built", kwargs["build_directory"]))
+    assert host_launcher.build() == ("built", str(directory))
 
 
 # --- on the GPU --------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """The judge's end of a measuring process (one side's, or both's)."""
+    """The judge's end of a measuring process (one side's, or both sides')."""
 
     def __init__(self, side_roots: dict[str, Path], cache: Path):
         env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}  # each side its own kernels/

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -55,13 +56,21 @@ def build_dir() -> Path:
 
 
 def build():
-    """Compile (once per machine; parallel processes wait on one lock) and import the module."""
+    """Import the module, compiling it first where its build directory holds none (once per
+    machine; parallel processes wait on one lock)."""
     import filelock
     from torch.utils import cpp_extension
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(directory / "build.lock")), _ninja_on_path():
+        # The directory's name is a digest of the source, its flags, PyTorch's version and Python's
+        # ABI, so a library in it was built from exactly this source: import it without running the
+        # build, whose ninja file names the source's path and would build again for every checkout
+        # (or copy of the cache) at another path.
+        built = _import_built(directory)
+        if built is not None:
+            return built
         # cpp_extension's own lock is a plain file a killed build leaves behind, and then every later
         # load waits forever; while we hold ours, no other build of this directory is running.
         (directory / "lock").unlink(missing_ok=True)
@@ -73,6 +82,21 @@ def build():
             with_cuda=False,
             verbose=False,
         )
+
+
+def _import_built(directory: Path):
+    """The module from a library a finished build left in ``directory``; None where there is none
+    (or it does not load: a build killed while linking leaves a broken one, built again)."""
+    library = directory / f"{MODULE_NAME}.so"
+    if not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
+    try:
+        module = importlib.util.module_from_spec(spec)  # loads the library
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 @contextlib.contextmanager
