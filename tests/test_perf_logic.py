@@ -328,49 +328,43 @@ def test_measuring_process_protocol_replies_per_line_and_reports_errors():
 def _prepared_stage(kind: str) -> stage.Stage:
     """A small case on the CPU, prepared by two honest sides (bitsandbytes' CPU backend computes
     what a side's process would: each variant of the live input, into its evidence slot)."""
-    import bitsandbytes.functional as F
-
     spec = {"shape": [48, 256], "quant": "nf4", "blocksize": 64, "nested": True, "dtype": "bf16", "seed": 3}
     st = stage.Stage(spec | {"kind": kind, "tokens": 5}, torch.device("cpu"), torch.empty(64, dtype=torch.uint8))
     for side in ("base", "candidate"):
         lent = st.lent_to(side)
         for variant in range(stage.VARIANTS):
-            lent.refresh(variant)
-            W = F.dequantize_4bit(lent.A, lent.qs)
-            lent.evidence[variant].copy_(torch.nn.functional.linear(lent.x, W) if kind == "matmul" else W)
+            lent.evidence[variant].copy_(_output(lent, variant))
         assert st.check_prepared(side), (kind, side)
     return st
+
+
+def _output(lent: stage.Lent, variant: int) -> torch.Tensor:
+    """What an honest side returns for ``variant`` of the live input."""
+    import bitsandbytes.functional as F
+
+    lent.refresh(variant)
+    W = F.dequantize_4bit(lent.A, lent.qs)
+    return torch.nn.functional.linear(lent.x, W) if lent.kind == "matmul" else W
 
 
 @pytest.mark.parametrize("kind", ["dequantize", "matmul"])
 def test_the_judge_rejects_an_output_of_another_variant_or_one_bit_off(kind):
     st = _prepared_stage(kind)
-    evidence = st.evidence["candidate"]
+    evidence, lent = st.evidence["candidate"], st.lent_to("scratch")
     variants = [o.value for o in st.expected] if kind == "matmul" else st.expected
     assert not any(torch.equal(variants[0], v) for v in variants[1:]), "every variant changes the output"
     # A batch: sample i had variant plan.variants[i]; slot j holds the output of sample plan.checked[j].
     plan = stage.BatchPlan.draw(random.Random(7), 12)
     for slot, i in enumerate(plan.checked):
-        evidence[slot].copy_(_output(st, plan.variants[i]))
+        evidence[slot].copy_(_output(lent, plan.variants[i]))
     assert st.check_batch("candidate", plan)
     stale = plan.variants[plan.checked[0]]
-    evidence[0].copy_(_output(st, (stale + 1) % stage.VARIANTS))  # what an earlier call with other inputs gave
+    evidence[0].copy_(_output(lent, (stale + 1) % stage.VARIANTS))  # what an earlier call with other inputs gave
     assert not st.check_batch("candidate", plan)
     if kind == "dequantize":  # bit for bit, the base's: one flipped bit fails
-        evidence[0].copy_(_output(st, stale))
+        evidence[0].copy_(_output(lent, stale))
         evidence[0].view(-1)[5:6].view(torch.int16).bitwise_xor_(1)
         assert not st.check_batch("candidate", plan)
-
-
-def _output(st: stage.Stage, variant: int) -> torch.Tensor:
-    import bitsandbytes.functional as F
-
-    lent = st.lent_to("scratch")
-    lent.refresh(variant)
-    W = F.dequantize_4bit(lent.A, lent.qs)
-    out = torch.nn.functional.linear(lent.x, W) if st.kind == "matmul" else W
-    lent.refresh(0)
-    return out
 
 
 def test_a_batch_plan_never_repeats_a_variant_and_checks_distinct_samples():

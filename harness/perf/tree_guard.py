@@ -15,6 +15,7 @@ directories as they go. Bytecode caches are a residual risk, stated in the READM
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 # What the judge and the base read from a checkout while they measure.
@@ -26,7 +27,7 @@ Fingerprint = dict[str, tuple[int, int, int, int]]
 
 def _stat(path: Path) -> tuple[int, int, int, int]:
     s = path.lstat()
-    if path.is_dir() and not path.is_symlink():
+    if stat.S_ISDIR(s.st_mode):
         return (s.st_mode, 0, 0, 0)
     return (s.st_mode, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
 
