@@ -97,12 +97,15 @@ def _status(session: PerfSession) -> int:
 
 
 # What each attack must end in, and how the sides are measured for it: the timer's checks catch
-# the first two; a process for each side makes the third change nothing; the judge's process,
-# apart from every side's, the fourth; the judge's file guard catches the fifth.
+# the first two; a process for each side keeps the third from reaching the base (the status is
+# not asserted there: sessions of a process per side shift by about 1%, kernels/NOTES.md, "The
+# sides' processes", so an unchanged candidate can end SLOWER; what the attack aims for, a
+# FASTER, must not come); the judge's process, apart from every side's, the fourth; the judge's
+# file guard catches the fifth.
 ATTACK_OUTCOMES = {
     "memoise": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
     "side-stream": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
-    "reach-base": (gate.EXIT_OK, policy.Isolation.PER_SIDE),
+    "reach-base": (None, policy.Isolation.PER_SIDE),
     "reach-judge": (gate.EXIT_OK, policy.ISOLATION),
     "edit-judge": (gate.EXIT_JUDGE_CHANGED, policy.ISOLATION),
 }
@@ -116,7 +119,12 @@ def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_s
     session = _session(candidate, run_seed, base, ATTACK_CASE_IDS, isolation)
     verdicts = {cid: j.verdict for cid, j in session.judgements.items()}
     assert set(verdicts) == set(ATTACK_CASE_IDS)
-    assert _status(session) == expected, (verdicts, session.judge_changed)
+    status = _status(session)
+    assert status != gate.EXIT_OK or Verdict.FASTER not in verdicts.values(), verdicts  # never a green FASTER
+    if expected is None:
+        assert Verdict.FASTER not in verdicts.values(), verdicts
+    else:
+        assert status == expected, (verdicts, session.judge_changed)
     if expected == gate.EXIT_OK:
         assert set(verdicts.values()) == {Verdict.SAME}, verdicts
     if attack == "edit-judge":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -434,6 +435,29 @@ def test_each_attack_fixture_puts_valid_python_where_its_attack_runs(tmp_path, a
         text = (root / path).read_text()
         assert "ADVERSARIAL" in text
         compile(text, path, "exec")
+
+
+def test_the_edit_judge_attack_plants_the_base_it_runs_beside_once_and_puts_it_back(tmp_path):
+    """The attack loaded as a measuring process holding both sides loads it (the same argv), so
+    the GPU test's file-guard verdict rests on an attack that really edited the base."""
+    from harness.perf.session import JUDGE_ROOT
+    from tests.perf import adversarial, planted
+
+    base = planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")
+    candidate = adversarial.build(JUDGE_ROOT, tmp_path / "cand", "edit-judge")
+    kernel = base / planted.TARGETS["dequantize"].kernel
+    original = kernel.read_text()
+    probe = (
+        "import sys; from pathlib import Path; from harness.perf import sides; "
+        "roots = dict(a.split('=', 1) for a in sys.argv[3::2]); "
+        "[sides.Side(name, Path(root)) for name, root in roots.items()]; "
+        f"print('PLANTED SLOWDOWN' in Path({str(kernel)!r}).read_text())"
+    )
+    argv = ["harness.perf.worker", "--side", f"base={base}", "--side", f"candidate={candidate}"]
+    run = subprocess.run([sys.executable, "-c", probe, *argv], cwd=JUDGE_ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True"]  # planted while the process ran
+    assert kernel.read_text() == original  # and put back at its exit
 
 
 # -- fixtures and tools -----------------------------------------------------------------------

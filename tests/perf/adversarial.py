@@ -130,18 +130,25 @@ def _adversarial_edit_judge():
     sys.path.insert(0, PLANTED_DIR)
     import planted
 
-    for cmdline in pathlib.Path("/proc").glob("*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\\0")
+    def parent(proc):  # the 4th field of /proc/PID/stat, after the command name in parentheses
+        return proc.joinpath("stat").read_bytes().rsplit(b")", 1)[1].split()[1]
+
+    bases = set()
+    for proc in pathlib.Path("/proc").iterdir():
+        try:  # only this judge's measuring processes: this one and its siblings
+            if not proc.name.isdigit() or parent(proc) != parent(pathlib.Path("/proc/self")):
+                continue
+            argv = proc.joinpath("cmdline").read_bytes().split(b"\\0")
         except OSError:
             continue
-        if b"harness.perf.worker" in argv and b"--side" in argv:
-            side = argv[argv.index(b"--side") + 1].decode()
-            if side.startswith("base="):
-                source = pathlib.Path(side[5:]) / "kernels" / "dequantize_4bit.cu"
-                original = source.read_text()
-                source.write_text(planted.planted_source(original, 0.5))
-                atexit.register(source.write_text, original)
+        if b"harness.perf.worker" in argv:
+            sides = [argv[i + 1].decode() for i, a in enumerate(argv[:-1]) if a == b"--side"]
+            bases.update(side[5:] for side in sides if side.startswith("base="))
+    for base in bases:
+        source = pathlib.Path(base) / "kernels" / "dequantize_4bit.cu"
+        original = source.read_text()
+        source.write_text(planted.planted_source(original, 0.5))
+        atexit.register(source.write_text, original)
 
 
 _adversarial_edit_judge()
