@@ -99,6 +99,27 @@ def test_greedy_generate_runs_in_matmul_mode(bnb, cuda, small_model):
     print(f"\ngreedy generate, batch 4, 16 new tokens: {agreement:.3f} of the tokens equal to bitsandbytes'")
 
 
+@pytest.mark.parametrize("matmul", [False, True], ids=["default", "matmul"])
+def test_a_decode_step_captured_as_a_cuda_graph_replays_its_eager_tokens(bnb, cuda, small_model, matmul):
+    """Greedy decode over a static cache, one step captured as a CUDA graph (what the graphed
+    decode table times): replaying it gives the tokens its eager steps give, bit for bit, with
+    the fused kernel inside the graph in matmul mode."""
+    from harness.perf.graphed_decode import GraphedDecode
+
+    model, _ = small_model
+    ids = qlora.random_tokens(model.config.vocab_size, 3, 8, seed=5)
+    with harness.bitsandbytes_patched(matmul=matmul):
+        before = _fused_calls()
+        decode = GraphedDecode(model, ids, 12)
+        fused = _fused_calls() - before  # the prefill (within the crossover), warm-up steps and capture
+        eager = decode.run(graphed=False)
+    replayed = decode.run()
+    prefill = ids.numel() <= crossover_m(cuda.index)
+    assert fused == (2 * 7 * (prefill + decode.WARMUP_STEPS + 1) if matmul else 0)
+    assert torch.equal(replayed, eager), (replayed, eager)
+    assert torch.equal(decode.run(5), eager[:, :5])
+
+
 def test_a_qlora_step_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda):
     """bitsandbytes' training forward runs gemm_4bit with autograd off, so matmul mode fuses it
     (16 tokens: within every GPU's crossover); the backward dequantizes as before. Every LoRA

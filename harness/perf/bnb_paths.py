@@ -22,6 +22,9 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   Llama-3.3-70B's sizes (vocabulary 4096, so the bf16 output layer weighs what it does beside 80
   layers), batch 1 and 8, tokens per second unpatched vs ``patch_bitsandbytes(matmul=True)``,
   wall time of whole synchronised calls, interleaved; and the share of tokens equal to unpatched.
+- graphed: the same decode with the host out of the step: each mode's greedy step captured once
+  as a CUDA graph over a static KV cache (``harness.perf.graphed_decode``) and replayed, as
+  transformers' static-cache compile path runs it; and whether the replays equal the eager steps.
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
   synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
   the Amdahl prediction that share and the measured kernel speedup allow.
@@ -30,6 +33,7 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from collections.abc import Callable
@@ -253,12 +257,36 @@ def measured_crossover(rows: list[dict]) -> int:
     return best
 
 
-def generate_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
+@contextlib.contextmanager
+def _decode_model():
+    """The generate tables' model: ``GENERATE_LAYERS`` layers at Llama-3.3-70B's sizes, random
+    weights, quantized on load (nf4 nested bf16), in eval mode."""
     from harness.correctness import qlora
 
     tmp = qlora.temporary_checkpoint(layers=GENERATE_LAYERS)
     try:
-        model = qlora.load_quantized(tmp.name).eval()
+        yield qlora.load_quantized(tmp.name).eval()
+    finally:
+        torch.cuda.empty_cache()
+        tmp.cleanup()
+
+
+def _decode_row(batch: int, row: dict, equal: float, tokens: int) -> dict:
+    return {
+        "batch": batch,
+        "layers": GENERATE_LAYERS,
+        "unpatched tokens/s": tokens / row["unpatched_us"] * 1e6,
+        "matmul mode tokens/s": tokens / row["patched_us"] * 1e6,
+        "speedup": row["speedup"],
+        "round speedups": row["round_speedups"],
+        "tokens equal to unpatched": equal,
+    }
+
+
+def generate_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
+    from harness.correctness import qlora
+
+    with _decode_model() as model:
         kwargs = {"max_new_tokens": GENERATE_NEW, "min_new_tokens": GENERATE_NEW, "do_sample": False, "pad_token_id": 0}
         rows = []
         for batch in batches:
@@ -271,22 +299,38 @@ def generate_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
             with patch.bitsandbytes_patched(matmul=True):
                 fused = run()
             row = interleaved(lambda _p, run=run: statistics.median(qlora.wall_times(run, 2)), rounds, matmul=True)
-            tokens = batch * GENERATE_NEW
+            equal = float((fused == unpatched).double()[:, GENERATE_PROMPT:].mean())
+            rows.append(_decode_row(batch, row, equal, batch * GENERATE_NEW))
+        return rows
+
+
+def graphed_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
+    """The generate table's decode with the host out of the step (``graphed_decode``): one CUDA
+    graph per mode, each replayed ``GENERATE_NEW`` times a round; and whether the matmul mode's
+    replays give the tokens its eager steps give (the capture kept every launch's arguments)."""
+    from harness.correctness import qlora
+    from harness.perf.graphed_decode import GraphedDecode
+
+    with _decode_model() as model:
+        rows = []
+        for batch in batches:
+            ids = qlora.random_tokens(model.config.vocab_size, batch, GENERATE_PROMPT, seed=batch)
+            decoders = {False: GraphedDecode(model, ids, GENERATE_NEW)}
+            with patch.bitsandbytes_patched(matmul=True):
+                decoders[True] = GraphedDecode(model, ids, GENERATE_NEW)
+                eager = decoders[True].run(graphed=False)
+            fused, unpatched = decoders[True].run(), decoders[False].run()
+            row = interleaved(
+                lambda p, d=decoders: statistics.median(qlora.wall_times(d[p].run, 3)), rounds, matmul=True
+            )
+            equal = float((fused == unpatched).double().mean())
             rows.append(
                 {
-                    "batch": batch,
-                    "layers": GENERATE_LAYERS,
-                    "unpatched tokens/s": tokens / row["unpatched_us"] * 1e6,
-                    "matmul mode tokens/s": tokens / row["patched_us"] * 1e6,
-                    "speedup": row["speedup"],
-                    "round speedups": row["round_speedups"],
-                    "tokens equal to unpatched": float((fused == unpatched).double()[:, GENERATE_PROMPT:].mean()),
+                    **_decode_row(batch, row, equal, batch * GENERATE_NEW),
+                    "replays equal eager": bool(torch.equal(fused, eager)),
                 }
             )
         return rows
-    finally:
-        torch.cuda.empty_cache()
-        tmp.cleanup()
 
 
 def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
@@ -364,7 +408,7 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-TABLES = ("dequantize", "host", "layers", "matmul", "generate", "qlora")
+TABLES = ("dequantize", "host", "layers", "matmul", "generate", "graphed", "qlora")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     timer = gpu_timer.ColdL2Timer(device, clock=gpu_info.sm_clock_reader(gpu_info.nvml_device(device.index)))
     rounds = 2 if args.quick else ROUNDS
-    slow = {"qlora", "generate"} if args.quick else {"qlora"} if args.no_qlora else set()
+    slow = {"qlora", "generate", "graphed"} if args.quick else {"qlora"} if args.no_qlora else set()
     wanted = set(args.only or TABLES) - slow
     builders = {
         "dequantize": lambda: dequantize_rows(timer, device),
@@ -387,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": lambda: layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds),
         "matmul": lambda: matmul_rows(timer, device, (1, 64) if args.quick else MATMUL_TOKENS),
         "generate": lambda: generate_rows(rounds),
+        "graphed": lambda: graphed_rows(rounds),
         "qlora": lambda: qlora_rows(QLORA_ROUNDS),
     }
     tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}

@@ -169,11 +169,12 @@ def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
     absmax_t, code2, absmax2, offset_t, offset_value = call.scales
     pointers = [t.data_ptr() if t is not None else 0 for t in (B, absmax_t, code2, absmax2, offset_t)]
     device = A.device.index
-    grid = matmul_kernel.plan(variant, device).grid(M, N, K, variant.tokens)
+    plan = matmul_kernel.plan(variant, device)
+    grid = plan.grid(M, N, K, variant.tokens)
     workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
     with torch.cuda.device(device):  # the kernel's GPU current for the launch, the caller's after
         matmul_kernel.launch(
-            variant, device, grid, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(),
+            plan, grid, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(),
             (*pointers, offset_value), workspace.data_ptr(), bias.data_ptr() if bias is not None else 0,
             target.data_ptr(), M, N, K, blocksize, call.blocksize2,
         )  # fmt: skip

@@ -140,8 +140,7 @@ def _sm_count(device_index: int) -> int:
 
 
 def launch(
-    variant: MatmulVariant,
-    device_index: int,
+    p: Plan,
     grid: Grid,
     stream: int,
     A_ptr: int,
@@ -157,8 +156,8 @@ def launch(
 ) -> None:
     """Enqueue the main kernel (and, when K is split, the finish) on ``stream``; ``scales`` holds
     (packed weights, absmax, code2, absmax2, offset pointer, offset value); the workspace holds
-    ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is written)."""
-    p = plan(variant, device_index)
+    ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is written); ``p``
+    is the variant's plan on the stream's GPU (``plan``), ``grid`` its grid for the call."""
     main_args = (
         A_ptr, *scales, workspace_ptr, bias_ptr, out_ptr, M, N, K, blocksize.bit_length() - 1,
         blocksize2.bit_length() - 1, grid.steps_per_split,
