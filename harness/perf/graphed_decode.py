@@ -2,9 +2,9 @@
 KV cache: the host's Python (transformers', bitsandbytes' and ours) is out of the step's time, as
 in transformers' static-cache compile path, without its compile time.
 
-A step reads the last token and its position from fixed GPU buffers, runs the model, writes the
-argmax into the token buffer and into the step's column of ``tokens``, and advances the position:
-replaying the graph ``n`` times decodes ``n`` tokens with no host work but the replays. Whatever
+A step reads the last token and its position from fixed GPU buffers, builds its attention mask
+from the position, runs the model, writes the argmax into the token buffer and into the step's
+column of ``tokens``, and advances the position: replaying the graph ``n`` times decodes ``n`` tokens with no host work but the replays. Whatever
 path each 4-bit matmul takes (bitsandbytes' or ``patch_bitsandbytes(matmul=True)``'s) is fixed
 when the graph is captured, so one graph per mode.
 """
@@ -55,6 +55,12 @@ class GraphedDecode:
         self.last = self.first.clone()
         self.position = torch.full((1,), self.prompt, dtype=torch.long, device=device)
         self.tokens = torch.zeros(ids.shape[0], new_tokens, dtype=torch.long, device=device)
+        # The step's attention mask, built on the GPU from the position (transformers would build
+        # one from host constants, which a capture cannot copy): cache slots up to the position
+        # open, the rest closed; a 4D mask is taken as given.
+        self.slots = torch.arange(self.prompt + new_tokens, device=device)
+        self.open = torch.zeros((), dtype=model.dtype, device=device)
+        self.closed = torch.full((), torch.finfo(model.dtype).min, dtype=model.dtype, device=device)
         side = torch.cuda.Stream(device)  # torch.cuda.graph's rule: warm up off the capturing stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -69,9 +75,14 @@ class GraphedDecode:
 
     def step(self) -> None:
         """One greedy decode step on the fixed buffers (eager, or recorded while capturing)."""
+        mask = torch.where(self.slots <= self.position, self.open, self.closed)
         with torch.no_grad():
             logits = self.model(
-                input_ids=self.last, past_key_values=self.cache, cache_position=self.position, use_cache=True
+                input_ids=self.last,
+                attention_mask=mask.expand(self.last.shape[0], 1, 1, -1),
+                past_key_values=self.cache,
+                cache_position=self.position,
+                use_cache=True,
             ).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         self.tokens.index_copy_(1, self.position - self.prompt, token)
