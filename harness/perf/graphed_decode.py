@@ -4,9 +4,9 @@ in transformers' static-cache compile path, without its compile time.
 
 A step reads the last token and its position from fixed GPU buffers, builds its attention mask
 from the position, runs the model, writes the argmax into the token buffer and into the step's
-column of ``tokens``, and advances the position: replaying the graph ``n`` times decodes ``n`` tokens with no host work but the replays. Whatever
-path each 4-bit matmul takes (bitsandbytes' or ``patch_bitsandbytes(matmul=True)``'s) is fixed
-when the graph is captured, so one graph per mode.
+column of ``tokens``, and advances the position: replaying the graph ``n`` times decodes ``n``
+tokens with no host work but the replays. Whatever path each 4-bit matmul takes (bitsandbytes' or
+``patch_bitsandbytes(matmul=True)``'s) is fixed when the graph is captured, so one graph per mode.
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ class GraphedDecode:
         """Back to the token the prefill chose: the cache past the prompt is rewritten as it is read."""
         self.last.copy_(self.first)
         self.position.fill_(self.prompt)
+        for layer in getattr(self.cache, "layers", ()):  # caches that count their own length on the GPU
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.fill_(self.prompt)
 
     def run(self, steps: int | None = None, graphed: bool = True) -> torch.Tensor:
         """Decode ``steps`` tokens (all ``new_tokens`` by default) by replays, or eagerly."""
