@@ -10,9 +10,10 @@ the product. Each must end in a red gate or an unchanged verdict, never a green 
                   in its process with extra GPU work, to slow the base down
     reach-judge   the package's ``__init__`` replaces the verdicts and the exit status of every
                   copy of the gate it can find in its process with FASTER and a pass
-    edit-judge    the package's ``__init__`` finds the base's checkout from the measuring
-                  processes' command lines, plants a slowdown in the base's kernel source (which
-                  the base compiles on its first call) and puts the file back when it exits
+    edit-judge    the package's ``__init__`` finds the base's checkout from the command lines
+                  of its judge's measuring processes (its own and its siblings'), plants a
+                  slowdown in the base's kernel source (which the base compiles on its first
+                  call) and puts the file back when it exits
 
     python -m tests.perf.adversarial DEST ATTACK
 """
