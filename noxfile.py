@@ -343,8 +343,8 @@ def bnb_paths(session: nox.Session) -> None:
     Layer sweep (forward, forward+backward), dequantize peers (Unsloth's call path), host time
     against the bare launch floor, the fused matmul against bitsandbytes and the roofline,
     transformers generate in matmul mode (eager, and each decode step captured as a CUDA graph),
-    and a QLoRA step with its Amdahl prediction, all side by side in one run. ``-- --only matmul`` for one table, ``-- --quick`` for a smoke run;
-    tables land in ``NF4_HARNESS_PERF_OUT`` (perf-out).
+    and a QLoRA step with its Amdahl prediction, all side by side in one run. ``-- --only matmul``
+    for one table, ``-- --quick`` for a smoke run; tables land in ``NF4_HARNESS_PERF_OUT`` (perf-out).
     """
     if not gpu_count():
         session.error("nox -s bnb-paths needs an NVIDIA GPU: none is visible on this machine")
