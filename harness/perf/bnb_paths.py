@@ -208,8 +208,7 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
     from harness.correctness import matmul_reference as mr
     from harness.runtime import api, matmul
 
-    copy = gpu_timer.copy_bandwidth(timer)
-    copy_gbps = 2 * (1 << 30) / copy.median_s / 1e9
+    copy_gbps, copy = gpu_timer.copy_bandwidth(timer)
     rows = []
     for layer, (N, K) in MATMUL_SHAPES.items():
         B, qs = cases.quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=3, device=device)

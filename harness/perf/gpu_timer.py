@@ -267,12 +267,13 @@ class ColdL2Timer:
         return Measurement(kept, discarded, clocks)
 
 
-def copy_bandwidth(timer: ColdL2Timer, nbytes: int = 1 << 30) -> Measurement:
+def copy_bandwidth(timer: ColdL2Timer, nbytes: int = 1 << 30) -> tuple[float, Measurement]:
     """Device-to-device copy of ``nbytes`` by the timer's method: the memory roofline a kernel's
-    bytes are divided by (bytes read + written = 2 * nbytes per sample)."""
+    bytes are divided by, in GB/s counting bytes read and written, and the measurement it is from."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).fill_(7)
     dst = torch.empty_like(src)
-    return timer.measure(lambda: dst.copy_(src))
+    measured = timer.measure(lambda: dst.copy_(src))
+    return 2 * nbytes / measured.median_s / 1e9, measured
 
 
 # Calls timed between two synchronisations when measuring host time: far fewer than the driver's

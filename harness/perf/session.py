@@ -157,7 +157,7 @@ class PerfSession:
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)  # the references' and the copy's
-        self.copy_gbps = 2 * (1 << 30) / gpu_timer.copy_bandwidth(self.timer).median_s / 1e9
+        self.copy_gbps, _ = gpu_timer.copy_bandwidth(self.timer)
         # The judge's files before any of the candidate's code runs (checked again by ``close``).
         self._guarded = [JUDGE_ROOT] + ([self.base_root] if self.base_root else [])
         self._fingerprint = tree_guard.fingerprint(self._guarded)
