@@ -48,7 +48,7 @@ def _compiled():
     device = torch.device("cuda", torch.cuda.current_device())
     for case in _cases(CASE_IDS + ATTACK_CASE_IDS):
         st = stage.Stage(case.spec(0), device, torch.empty(1, dtype=torch.uint8, device=device))
-        st.lent_to("warm").call(harness.matmul_4bit if case.kind == "matmul" else harness.dequantize_4bit)()
+        st.lent_to("warm").call(harness)()
     torch.cuda.synchronize(device)
 
 

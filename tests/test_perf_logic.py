@@ -349,6 +349,25 @@ def _output(lent: stage.Lent, variant: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["dequantize", "matmul"])
+def test_a_lent_case_calls_its_own_drop_in_as_a_user_does(kind):
+    lent = _prepared_stage(kind).lent_to("scratch")
+    seen = []
+
+    def drop_in(name):
+        return lambda *args, **kwargs: seen.append((name, args, kwargs)) or lent.out
+
+    sides_drop_ins = SimpleNamespace(dequantize_4bit=drop_in("dequantize_4bit"), matmul_4bit=drop_in("matmul_4bit"))
+    assert lent.call(sides_drop_ins)() is lent.out
+    [(name, args, kwargs)] = seen
+    if kind == "matmul":  # bitsandbytes' orientation: the packed weight transposed, activations first
+        assert name == "matmul_4bit" and args[0] is lent.x and args[1].data_ptr() == lent.A.data_ptr()
+        assert args[1].shape == lent.A.t().shape and args[2] is lent.qs
+    else:
+        assert name == "dequantize_4bit" and args == (lent.A, lent.qs)
+    assert kwargs == {"out": lent.out}
+
+
+@pytest.mark.parametrize("kind", ["dequantize", "matmul"])
 def test_the_judge_rejects_an_output_of_another_variant_or_one_bit_off(kind):
     st = _prepared_stage(kind)
     evidence, lent = st.evidence["candidate"], st.lent_to("scratch")

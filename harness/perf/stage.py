@@ -56,13 +56,15 @@ class Lent:
     def refresh(self, variant: int) -> None:
         self.live.copy_(self.variants[variant])
 
-    def call(self, entry: Callable) -> Callable[[], torch.Tensor]:
-        """The timed call of one side's drop-in (``dequantize_4bit`` or ``matmul_4bit``), as a
-        user makes it, writing into the lent output buffer."""
+    def call(self, drop_ins) -> Callable[[], torch.Tensor]:
+        """The timed call of the case's drop-in from ``drop_ins`` (a side, or a ``harness``
+        package: its ``dequantize_4bit`` or ``matmul_4bit``), as a user makes it, writing into the
+        lent output buffer."""
         A, qs, out = self.A, self.qs, self.out
         if self.kind == "matmul":
-            x, B = self.x, A.t()
+            x, B, entry = self.x, A.t(), drop_ins.matmul_4bit
             return lambda: entry(x, B, qs, out=out)
+        entry = drop_ins.dequantize_4bit
         return lambda: entry(A, qs, out=out)
 
 

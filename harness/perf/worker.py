@@ -46,8 +46,7 @@ class Worker:
 
     # -- kernel cases ---------------------------------------------------------------------------
     def _call(self, side: str):
-        lent, chosen = self.lent[side], self.sides[side]
-        return lent.call(chosen.matmul_4bit if lent.kind == "matmul" else chosen.dequantize_4bit)
+        return self.lent[side].call(self.sides[side])
 
     def op_kernel_case(self, side: str, lent: str) -> dict:
         """Borrow the judge's case for ``side`` and run it once per variant of the live input, on
