@@ -42,6 +42,12 @@ __device__ __forceinline__ void stage_code_table(float* s_code) {
     d[3] = make_uint4(CODE_12_15);
 }
 
+// Code i as a float: with a compile-time i, an instruction's immediate operand (no memory read).
+__device__ __forceinline__ float code_value(int i) {
+    const unsigned bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
+    return __uint_as_float(bits[i]);
+}
+
 // fp32 multiply, round-to-nearest-even, subnormal inputs and result flushed to signed zero.
 __device__ __forceinline__ float mul_ftz(float a, float b) {
     float r;

@@ -1,17 +1,20 @@
-"""The fused matmul kernel's data movement, lane by lane, in Python: which bytes each lane of a
-warp loads, how it splits them into mma fragments, and where the accumulators land, transcribed
-from kernels/matmul_4bit.cu; the mma itself is assembled from its fragments by the layout the PTX
-ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
+"""The fused matmul kernels' data movement, lane by lane, in Python: which bytes each lane of a
+warp loads, how it turns them into mma fragments, and where the accumulators land, transcribed
+from kernels/matmul_4bit.cu (``emulate_wide``, token tiles of 16 or more) and
+kernels/matmul_4bit_m8.cu (``emulate_m8``, its prmt table lookups included); the mma itself is
+assembled from its fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit
+inputs, fp32 accumulators).
 
-It proves the kernel's index arithmetic (the k permutation shared by both operands, the nibble
-order, the fragment slots, the epilogue) without a GPU; it cannot prove the compiled code.
+It proves the kernels' index arithmetic (the k permutation shared by both operands, the nibble
+order, the table lookups, the fragment slots, the epilogue) without a GPU; it cannot prove the
+compiled code.
 """
 
 from __future__ import annotations
 
 import torch
 
-STEP_K = 128
+STEP_K_WIDE, STEP_K_M8 = 128, 256
 
 
 def a_fragment_position(lane: int, reg: int, half: int) -> tuple[int, int]:
@@ -44,7 +47,9 @@ def decode_pair(pair: int, scale: float, code: list[float]) -> tuple[float, floa
     )
 
 
-def emulate(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int) -> torch.Tensor:
+def emulate_wide(
+    A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int
+) -> torch.Tensor:
     """out [M, N] in float64 as one warp per 16 features computes it, K split in steps of 128.
     ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded here
     (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
@@ -53,7 +58,7 @@ def emulate(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[flo
     out = torch.zeros(M, N, dtype=torch.float64)
     tiles = -(-M // 8)
     for n0 in range(0, N, 16):
-        for step in range(-(-K // STEP_K)):
+        for step in range(-(-K // STEP_K_WIDE)):
             for tile in range(tiles):
                 m0 = tile * 8
                 acc = torch.zeros(16, 8, dtype=torch.float64)
@@ -62,7 +67,7 @@ def emulate(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[flo
                     b = torch.zeros(16, 8, dtype=torch.float64)
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
-                        k = step * STEP_K + 32 * t
+                        k = step * STEP_K_WIDE + 32 * t
                         regs_a = [[0.0, 0.0] for _ in range(4)]
                         if k < K:
                             decoded = {}
@@ -88,6 +93,110 @@ def emulate(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[flo
                         else:
                             elems = torch.zeros(8, dtype=torch.float64)
                         regs_b = [[elems[4 * h], elems[4 * h + 1]], [elems[4 * h + 2], elems[4 * h + 3]]]
+                        for reg in range(2):
+                            for half in range(2):
+                                kk, nn = b_fragment_position(lane, reg, half)
+                                b[kk, nn] = regs_b[reg][half]
+                    acc += a @ b
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for index in range(4):
+                        r, c = c_fragment_position(lane, index)
+                        assert (r, c) == (g + 8 * (index >= 2), 2 * t + (index & 1))  # the kernel's epilogue
+                        n, m = n0 + r, m0 + c
+                        if m < M and n < N:
+                            out[m, n] += acc[r, c]
+    return out
+
+
+def byte_perm(a: int, b: int, selector: int) -> int:
+    """CUDA's __byte_perm (prmt) for selectors whose nibbles are 0-7: byte i of the result is byte
+    (nibble i of the selector) of the 8 bytes {b, a}, a's bytes first."""
+    source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return int.from_bytes(bytes(source[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
+
+
+def make_table(entries: list[int]) -> tuple[list[int], list[int]]:
+    """The kernel's make_table on 16 16-bit patterns: (low-byte registers, high-byte registers)."""
+    lo, hi = [], []
+    for i in range(4):
+        p = entries[4 * i] | entries[4 * i + 1] << 16
+        q = entries[4 * i + 2] | entries[4 * i + 3] << 16
+        lo.append(byte_perm(p, q, 0x6420))
+        hi.append(byte_perm(p, q, 0x7531))
+    return lo, hi
+
+
+def lookup4(table, low3: int, pick: int) -> tuple[int, int]:
+    lo_t, hi_t = table
+    lo = byte_perm(byte_perm(lo_t[0], lo_t[1], low3), byte_perm(lo_t[2], lo_t[3], low3), pick)
+    hi = byte_perm(byte_perm(hi_t[0], hi_t[1], low3), byte_perm(hi_t[2], hi_t[3], low3), pick)
+    return byte_perm(lo, hi, 0x4051), byte_perm(lo, hi, 0x6273)
+
+
+def decode8(table, x: int) -> list[int]:
+    """The kernel's decode8: four registers of two 16-bit table entries each."""
+    low3 = x & 0x77777777
+    pick = ((x >> 1) & 0x44444444) | 0x32103210
+    return [*lookup4(table, low3 & 0xFFFF, pick & 0xFFFF), *lookup4(table, low3 >> 16, pick >> 16)]
+
+
+# The table's entries are the codes' own indices here, so a lookup says which code a weight got;
+# the kernel's entries are the decoded weights' bit patterns, which the GPU tests check.
+INDEX_TABLE = make_table(list(range(16)))
+
+
+def decode_word(word: int, scale: float, code: list[float]) -> list[float]:
+    """Eight weights of one 32-bit word of packed codes in register order: (k, k+1) per register."""
+    values = []
+    for reg in decode8(INDEX_TABLE, word):
+        values += [code[reg & 0xFFFF] * scale, code[reg >> 16] * scale]
+    return values
+
+
+def emulate_m8(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int) -> torch.Tensor:
+    """out [M, N] in float64 as one warp per 16 features computes it, K split in steps of 256.
+    ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded here
+    (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
+    M = A.shape[0]
+    act = A.double()
+    out = torch.zeros(M, N, dtype=torch.float64)
+    tiles = -(-M // 8)
+    for n0 in range(0, N, 16):
+        for step in range(-(-K // STEP_K_M8)):
+            for tile in range(tiles):
+                m0 = tile * 8
+                acc = torch.zeros(16, 8, dtype=torch.float64)
+                for j in range(16):  # mma j of the step: half h, word v of the half, its first or last 4 k
+                    h, v, sub = j // 8, (j % 8) // 2, j % 2
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        k = step * STEP_K_M8 + 64 * t + 32 * h  # the half's first k
+                        regs_a = [[0.0, 0.0] for _ in range(4)]
+                        if k < K:
+                            decoded = {}
+                            for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
+                                if n < N:
+                                    row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
+                                    word = int.from_bytes(row[4 * v : 4 * v + 4], "little")
+                                    decoded[which] = decode_word(word, float(scales[n, k // 32]), code)
+                                else:
+                                    decoded[which] = [0.0] * 8
+                            lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
+                            regs_a = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
+                        for reg in range(4):
+                            for half in range(2):
+                                r, c = a_fragment_position(lane, reg, half)
+                                a[r, c] = regs_a[reg][half]
+                        # Activations: 8 elements at k + 8v, halves .x .y (sub = 0) or .z .w.
+                        m = m0 + g
+                        if k < K and m < M:
+                            elems = act[m, k + 8 * v : k + 8 * v + 8]
+                        else:
+                            elems = torch.zeros(8, dtype=torch.float64)
+                        regs_b = [[elems[4 * sub], elems[4 * sub + 1]], [elems[4 * sub + 2], elems[4 * sub + 3]]]
                         for reg in range(2):
                             for half in range(2):
                                 kk, nn = b_fragment_position(lane, reg, half)

@@ -70,8 +70,10 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
     for res in resources.values():
         assert res["arch"] == arch and 0 < res["registers"] <= 255
         assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
-    # The 16-entry code table, and nested: the scales' 256-entry code book beside it.
-    assert resources[matmul_kernel.ENTRY]["shared_bytes"] == 64 + (1024 if variant.nested else 0)
+    # The wide tiles' 16-entry code table (the 8-token kernel's codes are immediates), and nested:
+    # the scales' 256-entry code book.
+    table = 0 if variant.source == matmul_kernel.SOURCE_M8 else 64
+    assert resources[matmul_kernel.ENTRY]["shared_bytes"] == table + (1024 if variant.nested else 0)
 
 
 def test_every_kernel_takes_the_code_tables_from_the_one_header():
@@ -79,6 +81,10 @@ def test_every_kernel_takes_the_code_tables_from_the_one_header():
     holds them to the reference); no kernel carries a copy."""
     import re
 
-    for source in ("dequantize_4bit.cu", "matmul_4bit.cu"):
+    table_bits = set(re.findall(r"0x[0-9a-f]{8}u", (jit.kernels_dir() / "format_4bit.cuh").read_text()))
+    assert len(table_bits) >= 16
+    includes = {"dequantize_4bit.cu": "format_4bit.cuh", "matmul_4bit_common.cuh": "format_4bit.cuh"}
+    includes |= {source: "matmul_4bit_common.cuh" for source in (matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_WIDE)}
+    for source, header in includes.items():
         text = (jit.kernels_dir() / source).read_text()
-        assert '#include "format_4bit.cuh"' in text and not re.search(r"0x[0-9a-f]{8}u", text), source
+        assert f'#include "{header}"' in text and not table_bits & set(re.findall(r"0x[0-9a-f]{8}u", text)), source

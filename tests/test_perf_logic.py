@@ -464,7 +464,7 @@ def test_the_edit_judge_attack_plants_the_base_it_runs_beside_once_and_puts_it_b
 
     base = planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")
     candidate = adversarial.build(JUDGE_ROOT, tmp_path / "cand", "edit-judge")
-    kernel = base / planted.TARGETS["dequantize"].kernel
+    kernel = base / planted.TARGETS["dequantize"].kernels[0]
     original = kernel.read_text()
     probe = (
         "import sys; from pathlib import Path; from harness.perf import sides; "
@@ -490,17 +490,21 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     from tests.perf import planted
 
     dq, mm = planted.TARGETS["dequantize"], planted.TARGETS["matmul"]
-    header = JUDGE_ROOT / dq.kernel.parent / "format_4bit.cuh"
-    (tmp_path / header.name).write_text(header.read_text())  # the kernels' include, beside the copies
-    original = (JUDGE_ROOT / dq.kernel).read_text()
-    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm.cu")
+    for header in ("format_4bit.cuh", "matmul_4bit_common.cuh"):  # the kernels' includes, beside the copies
+        (tmp_path / header).write_text((JUDGE_ROOT / "kernels" / header).read_text())
+    original = (JUDGE_ROOT / dq.kernels[0]).read_text()
+    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm8.cu", tmp_path / "mm.cu")
     source[0].write_text(planted.planted_source(original, 0.02))
     source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
-    source[2].write_text(planted.planted_source((JUDGE_ROOT / mm.kernel).read_text(), 0.05, target=mm))
+    for path, kernel in zip(source[2:], mm.kernels, strict=True):
+        path.write_text(planted.planted_source((JUDGE_ROOT / kernel).read_text(), 0.05, target=mm))
+        assert "PLANTED_ON 1" in path.read_text() and "gridDim.x * gridDim.y * gridDim.z" in path.read_text()
     assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()
-    assert "PLANTED_ON 1" in source[2].read_text() and "gridDim.x * gridDim.y * gridDim.z" in source[2].read_text()
     variants = [(path, KernelVariant("nf4", out, True)) for path in source[:2] for out in ("fp16", "fp32")]
-    variants += [(source[2], MatmulVariant("bf16", "nf4", True, 8))]
+    variants += [
+        (source[2], MatmulVariant("bf16", "nf4", True, 8)),
+        (source[3], MatmulVariant("bf16", "nf4", True, 16)),
+    ]
     for path, v in variants:
         spec = jit.CompileSpec(source=path, arch="sm_90", macros=v.macros(), label=v.name)
         assert jit.compile_kernel(spec, use_cache=False).cubin

@@ -1,7 +1,8 @@
-"""The fused 4-bit matmul kernel (``kernels/matmul_4bit.cu``), everything about it in one place:
-its variants, parameter layouts, the shapes it takes, the launch plan (token tile, split of K)
-and the launch on a raw stream: the main kernel, writing the output itself when K is not split,
-else its partial sums into a workspace that ``matmul_4bit_finish`` adds in split order.
+"""The fused 4-bit matmul kernels, everything about them in one place: their variants (up to 8
+tokens a tile ``kernels/matmul_4bit_m8.cu``, more ``kernels/matmul_4bit.cu``, one parameter list),
+the shapes they take, the launch plan (token tile, split of K) and the launch on a raw stream: the
+main kernel, writing the output itself when K is not split, else its partial sums into a workspace
+that ``matmul_4bit_finish`` adds in split order.
 
 Importable without PyTorch (the compile check lists the variants).
 """
@@ -14,14 +15,17 @@ from dataclasses import dataclass
 
 from harness.runtime import jit, launcher
 
-SOURCE = "matmul_4bit.cu"
+# Up to 8 tokens each decoded weight feeds one mma, so the decode is the work: per-block register
+# tables; with more, the shared-memory code table, whose few registers keep more warps in flight.
+SOURCE_M8, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit.cu"
+M8_TOKENS = 8  # the token tile SOURCE_M8 runs; the wider ones run SOURCE_WIDE
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
 DTYPES = ("fp16", "bf16")  # activations, decoded weights and output
 TOKEN_TILES = (8, 16, 32, 64)  # tokens one warp multiplies each decoded weight with
 WARPS = 4  # warps per block, 16 output features each
 FEATURES_PER_BLOCK = WARPS * 16
-STEP_K = 128  # k one warp covers per step
+STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
 
@@ -47,6 +51,10 @@ class MatmulVariant:
     def name(self) -> str:
         return f"mm4-{self.quant_type}-{self.dtype}-{'nested' if self.nested else 'plain'}-m{self.tokens}-w{WARPS}"
 
+    @property
+    def source(self) -> str:
+        return SOURCE_M8 if self.tokens == M8_TOKENS else SOURCE_WIDE
+
     def macros(self) -> tuple[tuple[str, str], ...]:
         return (
             ("MM_DTYPE", str(DTYPES.index(self.dtype))),
@@ -62,7 +70,12 @@ def all_variants() -> list[MatmulVariant]:
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
-    return launcher.source_spec(SOURCE, arch, variant.macros(), variant.name)
+    return launcher.source_spec(variant.source, arch, variant.macros(), variant.name)
+
+
+def step_k(tokens: int) -> int:
+    """k one warp covers per step with this token tile."""
+    return STEP_K_M8 if tokens == M8_TOKENS else STEP_K_WIDE
 
 
 def token_tile(m: int) -> int:
@@ -94,29 +107,58 @@ class Grid:
 PARTIAL_SHARE = 0.25
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
+# Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
+FILL = 0.9
 
 
-def grid_for(M: int, N: int, K: int, tokens: int, resident_blocks: int) -> Grid:
-    """At most one wave where the features and token tiles alone leave SMs idle: K is split into
-    as many parts as fit beside each other in the blocks the GPU keeps resident (a grid just
-    over one wave would run its few extra blocks as a second wave, doubling the time), as far as
-    the partial sums stay a small share of the weights' traffic, every split has at least one
-    step and there are at most ``MAX_SPLITS``."""
-    groups, tiles, steps = -(-N // FEATURES_PER_BLOCK), -(-M // tokens), -(-K // STEP_K)
-    cap = max(1, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N)))
-    splits = max(1, min(steps, cap, MAX_SPLITS, resident_blocks // (groups * tiles)))
-    per_split = -(-steps // splits)
-    return Grid((groups, -(-steps // per_split), tiles), per_split)
+def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
+    """Steps the busiest SM runs when ``blocks`` blocks of ``steps_per_split`` steps share ``sms`` SMs."""
+    return -(-blocks // sms) * steps_per_split
+
+
+def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> Grid:
+    """How K is split, as far as the partial sums stay a small share of the weights' traffic,
+    every split has at least one step and there are at most ``MAX_SPLITS``.
+
+    The 8-token kernel's decode keeps every SM's integer pipe busy, so its launch lasts as long as
+    its busiest SM: K is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds
+    at once (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose
+    busiest SM runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs,
+    unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8.
+
+    The wider tiles wait on their activation loads more than on any pipe, and more splits cost
+    them partial sums M times larger: they take as many splits as fit beside each other in one
+    wave (a grid just over one wave would run its few extra blocks as a second wave)."""
+    groups, tiles, steps = -(-N // FEATURES_PER_BLOCK), -(-M // tokens), -(-K // step_k(tokens))
+    cap = max(1, min(steps, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
+    units = groups * tiles
+
+    def shape(splits: int) -> tuple[int, int]:  # (splits without an empty one, steps per split)
+        per_split = -(-steps // splits)
+        return -(-steps // per_split), per_split
+
+    if tokens != M8_TOKENS:
+        n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
+        return Grid((groups, n, tiles), per_split)
+    fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
+
+    def cost(splits: int) -> tuple[int, int]:
+        n, per_split = shape(splits)
+        return busiest_sm_steps(units * n, per_split, sms), n
+
+    n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
+    return Grid((groups, n, tiles), per_split)
 
 
 @dataclass(frozen=True)
 class Plan:
     main: launcher.LoadedKernel
     finish: launcher.LoadedKernel
-    resident_blocks: int  # main kernel blocks the whole GPU holds at once
+    blocks_per_sm: int  # main kernel blocks one SM holds at once
+    sms: int
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
-        return grid_for(M, N, K, tokens, self.resident_blocks)
+        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -125,10 +167,12 @@ _plans: dict[tuple, Plan] = {}
 def plan(variant: MatmulVariant, device_index: int) -> Plan:
     key = (variant, device_index)
     if (hit := _plans.get(key)) is None:
-        main = launcher.load(variant.name, SOURCE, ENTRY, device_index, MAIN_PARAMS, variant.macros())
-        finish = launcher.load(f"{variant.name}-finish", SOURCE, FINISH, device_index, FINISH_PARAMS, variant.macros())
+        main = launcher.load(variant.name, variant.source, ENTRY, device_index, MAIN_PARAMS, variant.macros())
+        finish = launcher.load(
+            f"{variant.name}-finish", variant.source, FINISH, device_index, FINISH_PARAMS, variant.macros()
+        )
         per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(WARPS * 32, 0)
-        hit = _plans[key] = Plan(main, finish, max(1, per_sm) * _sm_count(device_index))
+        hit = _plans[key] = Plan(main, finish, max(1, per_sm), _sm_count(device_index))
     return hit
 
 

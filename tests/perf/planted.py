@@ -6,8 +6,8 @@ The planted kernel stretches each launch's GPU time by a set fraction: every blo
 it started (the earliest start wins), and the last block to finish spins until the launch has
 taken ``1 + stretch`` times as long as it had when that block got there. The slowdown is the
 same fraction on every weight size, and optionally only in the fp32-output builds. The kernel is
-the dequantization kernel, or (``--kernel matmul``) the fused matmul's main kernel, which every
-matmul case at or below the crossover runs.
+the dequantization kernel, or (``--kernel matmul``) the fused matmul's main kernels (both token
+tile kernels), which every matmul case at or below the crossover runs.
 
     python -m tests.perf.planted DEST --stretch 0.02 [--only-fp32] [--kernel matmul]
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Target:
-    """A kernel the slowdown can be planted in: its source, its entry line, its first statement
-    and its last lines (where the planted code goes; each must occur once), and the condition
-    of the builds its ``--only-fp32`` form slows down."""
+    """Kernels the slowdown can be planted in: their sources, and in each its entry line, a
+    statement near the start and its last lines (where the planted code goes; each must occur
+    once), and the condition of the builds its ``--only-fp32`` form slows down."""
 
-    kernel: Path
+    kernels: tuple[Path, ...]
     entry: str
     start: str
     end: str
@@ -35,17 +35,17 @@ class Target:
 
 TARGETS = {
     "dequantize": Target(
-        Path("kernels") / "dequantize_4bit.cu",
+        (Path("kernels") / "dequantize_4bit.cu",),
         'extern "C" __global__ void __launch_bounds__(DQ_THREADS) dequantize_4bit_kernel(',
         "    __shared__ __align__(16) float s_code[16];\n",
         "        out[e] = to_out(mul_ftz(s_code[nib], scale));\n    }\n}\n",
         "(DQ_OUT == 2)",
     ),
     "matmul": Target(
-        Path("kernels") / "matmul_4bit.cu",
-        'extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(',
-        "    __shared__ __align__(16) float s_code[16];\n",
-        "                slice[m * N + n] = acc[i][c];\n            }\n        }\n    }\n}\n",
+        (Path("kernels") / "matmul_4bit_m8.cu", Path("kernels") / "matmul_4bit.cu"),
+        'extern "C" __global__ void __launch_bounds__(MM_WARPS * 32',
+        "    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n",
+        "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);\n}\n",
         "0",  # no fp32-output build
     ),
 }
@@ -102,10 +102,11 @@ def copy_checkout(source_root: Path, dest: Path) -> Path:
 
 
 def build(source_root: Path, dest: Path, stretch: float, only_fp32: bool = False, kernel: str = "dequantize") -> Path:
-    """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown in ``kernel``'s source there."""
+    """Copy the checkout at ``source_root`` to ``dest`` and plant the slowdown in ``kernel``'s sources there."""
     target = TARGETS[kernel]
-    path = copy_checkout(source_root, dest) / target.kernel
-    path.write_text(planted_source(path.read_text(), stretch, only_fp32, target))
+    copy_checkout(source_root, dest)
+    for path in (dest / k for k in target.kernels):
+        path.write_text(planted_source(path.read_text(), stretch, only_fp32, target))
     return dest
 
 

@@ -1,0 +1,163 @@
+// What both fused 4-bit matmul kernels share (matmul_4bit.cu for 9 to 64 tokens a tile,
+// matmul_4bit_m8.cu for up to 8): their macros, the mma, the decoded weight's rounding, the scales'
+// loads and arithmetic, the epilogue and the finish that adds the splits of K.
+//
+// Macros (one compiled module per variant):
+//   MM_DTYPE   0 = fp16, 1 = bf16 (activations, decoded weights and output)
+//   MM_QUANT   0 = nf4,  1 = fp4
+//   MM_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
+//   MM_TOKENS  tokens per warp tile (8 for matmul_4bit_m8.cu; 16, 32 or 64 for matmul_4bit.cu)
+//   MM_WARPS   warps per block (each owns 16 output features)
+// Host contract (harness/runtime/matmul_kernel.py checks it before launching): K % 32 == 0,
+// W, A and bias 16-byte aligned, block size >= 32, an fp32 workspace of splits * M * N when K is
+// split (none needed otherwise).
+//
+// Products of fp16/bf16 are exact in fp32; sums are fp32 (mma accumulators, then the splits of K
+// added in split order); the bias is added in fp32 and the result rounded once to the output
+// dtype. Each decoded weight is code[nibble] * scale in fp32, rounded once to A's dtype: the
+// dequantization kernel's bits, so with a one-hot activation row the output is that weight
+// exactly. Deterministic: no atomics.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#if !defined(MM_DTYPE) || !defined(MM_QUANT) || !defined(MM_NESTED) || !defined(MM_TOKENS) || !defined(MM_WARPS)
+#error "MM_DTYPE, MM_QUANT, MM_NESTED, MM_TOKENS and MM_WARPS must be defined by the compile spec"
+#endif
+
+typedef long long i64;
+typedef unsigned int u32;
+#define NT8 (MM_TOKENS / 8)  // mma n-tiles per warp
+
+#if MM_DTYPE == 0
+typedef __half elem_t;
+#elif MM_DTYPE == 1
+typedef __nv_bfloat16 elem_t;
+#else
+#error "unknown MM_DTYPE"
+#endif
+
+#define FMT_QUANT MM_QUANT
+#include "format_4bit.cuh"
+
+// Two decoded weights (the lower k in the low half), each rounded to nearest even.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#if MM_DTYPE == 0
+    const __half2 h = __floats2half2_rn(lo, hi);
+#else
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+#endif
+    return *reinterpret_cast<const u32*>(&h);
+}
+
+__device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if MM_DTYPE == 0
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ uint4 load_activations(const elem_t* p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// The scale parts of one block, as loaded (every load of a step is issued before any is used):
+// nested, its 8-bit code and its second-level scale; plain, its fp32 absmax.
+struct ScaleParts {
+#if MM_NESTED
+    unsigned q;
+    float absmax2;
+#else
+    float absmax;
+#endif
+};
+
+__device__ __forceinline__ ScaleParts load_scale(i64 e, bool ok, const void* absmax, const float* absmax2, int bs_log2,
+                                                 int bs2_log2) {
+    ScaleParts p;
+    const i64 block = e >> bs_log2;
+#if MM_NESTED
+    p.q = ok ? __ldg(static_cast<const unsigned char*>(absmax) + block) : 0u;
+    p.absmax2 = ok ? __ldg(absmax2 + (block >> bs2_log2)) : 0.0f;
+#else
+    (void)absmax2;
+    (void)bs2_log2;
+    p.absmax = ok ? __ldg(static_cast<const float*>(absmax) + block) : 0.0f;
+#endif
+    return p;
+}
+
+// The block's scale as the dequantization kernel computes it (two separately rounded fp32 ops
+// when nested); 0 outside the weight, so padding decodes to zeros.
+__device__ __forceinline__ float scale_of(const ScaleParts& p, bool ok, const float* s_code2, float offset) {
+#if MM_NESTED
+    return ok ? nested_scale(s_code2[p.q], p.absmax2, offset) : 0.0f;
+#else
+    (void)s_code2;
+    (void)offset;
+    return ok ? p.absmax : 0.0f;
+#endif
+}
+
+__device__ __forceinline__ float to_float(elem_t v) {
+#if MM_DTYPE == 0
+    return __half2float(v);
+#else
+    return __bfloat162float(v);
+#endif
+}
+
+__device__ __forceinline__ elem_t from_float(float v) {
+#if MM_DTYPE == 0
+    return __float2half_rn(v);
+#else
+    return __float2bfloat16_rn(v);
+#endif
+}
+
+// The epilogue. Accumulator (i, c) of lane (g, t): feature n_lo (c < 2) or n_hi = n_lo + 8,
+// token m0 + 8i + 2t + (c & 1). With one split the output (+ bias) is written here; with more,
+// this split's slice of `partial` [splits, M, N], which matmul_4bit_finish adds in split order.
+__device__ __forceinline__ void store_tile(const float (&acc)[NT8][4], int n_lo, i64 m0, int t, i64 M, int N,
+                                           float* __restrict__ partial, const elem_t* __restrict__ bias,
+                                           elem_t* __restrict__ out) {
+    const bool direct = gridDim.y == 1;
+    float* slice = partial + (i64)blockIdx.y * M * N;
+#pragma unroll
+    for (int i = 0; i < NT8; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const i64 m = m0 + i * 8 + 2 * t + (c & 1);
+            const int n = c < 2 ? n_lo : n_lo + 8;
+            if (m >= M || n >= N) continue;
+            if (direct) {
+                float v = acc[i][c];
+                if (bias) v = __fadd_rn(v, to_float(bias[n]));
+                out[m * N + n] = from_float(v);
+            } else {
+                slice[m * N + n] = acc[i][c];
+            }
+        }
+    }
+}
+
+// out = the splits' partial sums added in split order (+ bias), in fp32, then one rounding.
+extern "C" __global__ void __launch_bounds__(256) matmul_4bit_finish(const float* __restrict__ partial,
+                                                                    const elem_t* __restrict__ bias,
+                                                                    elem_t* __restrict__ out, i64 M, int N, int splits) {
+    const i64 total = M * (i64)N;
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+        float v = partial[e];
+#pragma unroll 16
+        for (int s = 1; s < splits; ++s) v = __fadd_rn(v, partial[s * total + e]);  // loads in flight together
+        if (bias) v = __fadd_rn(v, to_float(bias[e % N]));
+        out[e] = from_float(v);
+    }
+}

@@ -1,0 +1,262 @@
+// Fused 4-bit matmul for up to 8 tokens (decode): out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
+// W in the bitsandbytes packed format (kernels/dequantize_4bit.cu states it) decoded in registers,
+// never written out. More tokens run matmul_4bit.cu; matmul_4bit_common.cuh holds the macros, the
+// host contract and the arithmetic both share.
+//
+// mma.sync.m16n8k16 (sm80-sm90) with the weights as operand A (16 output features x 16 k) and the
+// activations as operand B (16 k x 8 tokens): small M wastes at most 7 of 8 token columns, not 15
+// of 16 rows. One warp owns 16 output features; per step it covers 256 k: lane (g = lane / 4,
+// t = lane % 4) loads 32 bytes (64 codes, k = 64t .. 64t+63) of features g and g + 8. The k
+// order inside a step is permuted, identically for both operands (a dot product does not care):
+// fragment slot s of mma j holds k = 64t + 4j + {0,1,2,3}[s], so a lane's 32 bytes feed its
+// operand-A registers of all 16 mmas of the step without a shuffle, and its activations are 128
+// contiguous bytes of token g (eight 16-byte loads through the read-only cache, loaded a half step
+// ahead).
+//
+// Decoding is a register table lookup, not a shared-memory one. With one token tile every decoded
+// weight feeds a single mma, so the decode is the work: a shared-memory read per weight (4 bytes of
+// the 16-entry fp32 code table) costs as much load/store-pipe time as the DRAM reads, and the
+// multiply and rounding per weight as much again in issue slots (NOTES, "the load/store pipe's
+// share"). So once per scale block (64 k of a lane at the usual block size) a lane multiplies the
+// 16 codes by the block's scale and rounds them to A's dtype: the block's 16 possible weights, the
+// dequantization kernel's bits (the same code bits as immediates, the same fp32 multiply, the same
+// rounding). Their low and high bytes fill 8 registers, and prmt (a byte permute over 8 bytes)
+// looks up 4 codes at once: two permutes per 8-byte half-table and one to pick the half by each
+// code's top bit, for the low and the high bytes, then two to pair the bytes into operand
+// registers: 2 prmt and about 0.6 other integer instructions per weight.
+#include "matmul_4bit_common.cuh"
+
+#if MM_TOKENS != 8
+#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: matmul_4bit.cu)"
+#endif
+#define STEP_K 256  // k one warp covers per step: 64 per lane
+// 128 registers a thread: 4 blocks an SM.
+#define MIN_BLOCKS 4
+
+// prmt.b32 (byte permute) as PTX states it; every selector here has its nibbles' top bit clear,
+// so no byte is sign-replicated (CUDA's __byte_perm masks its selector first, an instruction more).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// (a & b) | c in one lop3: with two constants the compiler splits it into two, one immediate each.
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// x >> k as a high multiply: the multiply pipe is idle here, the integer pipe is the decode's limit.
+__device__ __forceinline__ u32 shr_mul(u32 x, int k) { return __umulhi(x, 1u << (32 - k)); }
+
+// The 16 weights one scale block can hold, as 16-bit patterns split into their low bytes (lo[i]
+// holds entries 4i .. 4i+3, one a byte) and their high bytes: two byte tables of 8 bytes each
+// per half, the reach of one prmt.
+struct Table {
+    u32 lo[4], hi[4];
+};
+
+// Entry c is code[c] * scale in fp32, rounded once to A's dtype: the dequantization kernel's bits.
+__device__ __forceinline__ Table make_table(float scale) {
+    Table tb;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        // Entries 4i .. 4i+3 as two pairs: bytes [L(4i) H(4i) L(4i+1) H(4i+1)] and the same for 4i+2.
+        const u32 p = pack2(mul_ftz(code_value(4 * i), scale), mul_ftz(code_value(4 * i + 1), scale));
+        const u32 q = pack2(mul_ftz(code_value(4 * i + 2), scale), mul_ftz(code_value(4 * i + 3), scale));
+        tb.lo[i] = prmt(p, q, 0x6420);
+        tb.hi[i] = prmt(p, q, 0x7531);
+    }
+    return tb;
+}
+
+// Four weights from the four codes of two packed bytes [c0 c1][c2 c3] (high nibble first, so
+// nibble i of the 16-bit word is code i ^ 1): `low3` holds each code's low 3 bits (a byte of 8),
+// `pick` nibble i is i, or i + 4 when code i ^ 1 is 8 or more. w01 = (c0, c1) and w23 = (c2, c3),
+// the lower k in the low half as the activations hold them.
+__device__ __forceinline__ void lookup4(const Table& tb, u32 low3, u32 pick, u32& w01, u32& w23) {
+    const u32 lo = prmt(prmt(tb.lo[0], tb.lo[1], low3), prmt(tb.lo[2], tb.lo[3], low3), pick);
+    const u32 hi = prmt(prmt(tb.hi[0], tb.hi[1], low3), prmt(tb.hi[2], tb.hi[3], low3), pick);
+    w01 = prmt(lo, hi, 0x4051);
+    w23 = prmt(lo, hi, 0x6273);
+}
+
+// The eight weights of one 32-bit word of packed codes: w[0..1] for its first two bytes, w[2..3]
+// for its last two (pairs of k, the lower k in the low half). prmt reads a selector's low 16 bits.
+__device__ __forceinline__ void decode8(const Table& tb, u32 x, u32 w[4]) {
+    const u32 low3 = x & 0x77777777u;
+    const u32 pick = lop3_and_or(shr_mul(x, 1), 0x44444444u, 0x32103210u);
+    lookup4(tb, low3, pick, w[0], w[1]);
+    lookup4(tb, shr_mul(low3, 16), shr_mul(pick, 16), w[2], w[3]);
+}
+
+// Weights are read once: streaming loads. Activations are read by every warp: read-only cache.
+__device__ __forceinline__ uint4 load_weights(const unsigned char* p) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// A lane's rows: its two features' packed bytes and, as element indices of the flattened weight
+// (for their scales), their starts; each token tile's activation row; its first k in a step
+// (64t). Features past N and tokens past M are clamped to the last one: an output depends on its
+// own feature and token only, and those outputs are never stored, so nothing but K is bounded.
+struct Lane {
+    const unsigned char* w_lo;
+    const unsigned char* w_hi;
+    i64 e_lo, e_hi;
+    const elem_t* a[NT8];
+    int k;
+};
+
+// One step's weights of a lane: 32 packed bytes (two 32-k halves) of each of its two features,
+// and the scale parts of each half's block (half 1's only when it may lie in another block).
+template <bool kOneBlock>
+struct StepWeights {
+    uint4 lo[2], hi[2];
+    ScaleParts p_lo[kOneBlock ? 1 : 2], p_hi[kOneBlock ? 1 : 2];
+};
+
+// Addresses are clamped to the row's last 32 k, so no weight load needs a predicate: past K (a
+// tail step's missing half, the pipeline's prefetch after its last step) what is read is never
+// used, as the half's scale is 0 there (scale_of) or the loop has ended.
+template <bool kOneBlock>
+__device__ __forceinline__ void load_step(StepWeights<kOneBlock>& w, int step, const Lane& ln, int K,
+                                          const void* absmax, const float* absmax2, int bs_log2, int bs2_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = min(step * STEP_K + ln.k + 32 * h, K - 32);
+        w.lo[h] = load_weights(ln.w_lo + k / 2);
+        w.hi[h] = load_weights(ln.w_hi + k / 2);
+        // 32 k never straddle a scale block: 32-aligned, and block sizes are >= 32.
+        if (h == 0 || !kOneBlock) {
+            w.p_lo[h] = load_scale(ln.e_lo + k, true, absmax, absmax2, bs_log2, bs2_log2);
+            w.p_hi[h] = load_scale(ln.e_hi + k, true, absmax, absmax2, bs_log2, bs2_log2);
+        }
+    }
+}
+
+// The activations of one 32-k half for every token tile: word v of the half in act[v][i].
+// Past K they are zeros (a tail step's missing half).
+struct HalfActs {
+    uint4 act[4][NT8];
+};
+
+__device__ __forceinline__ void load_half_acts(HalfActs& a, int step, int h, const Lane& ln, int K) {
+    const int k = step * STEP_K + ln.k + 32 * h;
+    const bool ok = k < K;
+    const int at = min(k, K - 32);
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+#pragma unroll
+        for (int i = 0; i < NT8; ++i) a.act[v][i] = load_activations(ln.a[i] + at + 8 * v, ok);
+}
+
+// One step of a warp: 16 mmas per token tile. kOneBlock: a lane's 64 k lie in one scale block
+// (K % 64 == 0 and blocks of 64 or more), so one table serves both halves; kTail: the step
+// reaches past K, so every half has its own table and one past K gets a table of zeros (its
+// activations are zeros too, and a zero weight keeps an infinite one out of the sum).
+// `ahead` holds this step's first half's activations on entry and the next step's on return.
+template <bool kOneBlock, bool kTail>
+__device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWeights<kOneBlock>& w, HalfActs& ahead,
+                                             int step, const Lane& ln, int K, const float* s_code2, float offset) {
+    Table t_lo, t_hi;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const bool k_ok = !kTail || step * STEP_K + ln.k + 32 * h < K;
+        if (h == 0 || !kOneBlock || kTail) {
+            const int p = kOneBlock ? 0 : h;
+            t_lo = make_table(scale_of(w.p_lo[p], k_ok, s_code2, offset));
+            t_hi = make_table(scale_of(w.p_hi[p], k_ok, s_code2, offset));
+        }
+        const HalfActs a = ahead;
+        load_half_acts(ahead, step + h, 1 - h, ln, K);  // the next half: (step, 1), then (step + 1, 0)
+        const u32 lo[4] = {w.lo[h].x, w.lo[h].y, w.lo[h].z, w.lo[h].w};
+        const u32 hi[4] = {w.hi[h].x, w.hi[h].y, w.hi[h].z, w.hi[h].w};
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {  // word v of the half: 8 k, mmas 8h + 2v and 8h + 2v + 1
+            u32 wl[4], wh[4];
+            decode8(t_lo, lo[v], wl);
+            decode8(t_hi, hi[v], wh);
+            const u32 a0[4] = {wl[0], wh[0], wl[1], wh[1]}, a1[4] = {wl[2], wh[2], wl[3], wh[3]};
+#pragma unroll
+            for (int i = 0; i < NT8; ++i) {
+                mma(acc[i], a0, a.act[v][i].x, a.act[v][i].y);
+                mma(acc[i], a1, a.act[v][i].z, a.act[v][i].w);
+            }
+        }
+    }
+}
+
+template <bool kOneBlock>
+__device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, int last, const Lane& ln, int K,
+                                          const void* absmax, const float* absmax2, const float* s_code2,
+                                          float offset, int bs_log2, int bs2_log2) {
+    const int full = K / STEP_K;
+    // Software-pipelined: the next step's weights and scale parts are in flight while this one decodes.
+    StepWeights<kOneBlock> cur;
+    load_step(cur, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    HalfActs ahead;
+    load_half_acts(ahead, first, 0, ln, K);
+    for (int step = first; step < last; ++step) {
+        StepWeights<kOneBlock> next;
+        load_step(next, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+        if (step < full)
+            compute_step<kOneBlock, false>(acc, cur, ahead, step, ln, K, s_code2, offset);
+        else
+            compute_step<kOneBlock, true>(acc, cur, ahead, step, ln, K, s_code2, offset);
+        cur = next;
+    }
+}
+
+// Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 256 k),
+// z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
+// split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
+// written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
+// bits on every run, whatever order the blocks ran in.
+extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(
+    const elem_t* __restrict__ A, const unsigned char* __restrict__ W, const void* __restrict__ absmax,
+    const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
+    float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
+    int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+#if MM_NESTED
+    __shared__ float s_code2[256];  // the scales' code book: a shared-memory read, not a dependent global one
+    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32) s_code2[i] = __ldg(code2 + i);
+    const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value;
+    __syncthreads();
+#else
+    const float* s_code2 = nullptr;
+    (void)code2;
+    (void)offset_ptr;
+    (void)offset_value;
+    const float offset = 0.0f;
+#endif
+
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g;  // and n_lo + 8
+    const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
+    const int steps = (K + STEP_K - 1) / STEP_K;
+    const int first = blockIdx.y * steps_per_split;
+    const int last = min(steps, first + steps_per_split);
+
+    Lane ln;
+    ln.k = 64 * t;
+    ln.e_lo = (i64)min(n_lo, N - 1) * K;
+    ln.e_hi = (i64)min(n_lo + 8, N - 1) * K;
+    ln.w_lo = W + ln.e_lo / 2;
+    ln.w_hi = W + ln.e_hi / 2;
+#pragma unroll
+    for (int i = 0; i < NT8; ++i) ln.a[i] = A + min(m0 + i * 8 + g, M - 1) * K;
+
+    float acc[NT8][4];
+#pragma unroll
+    for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    // A lane's 64 k start at a multiple of 64 of the flattened weight when K is one.
+    if (K % 64 == 0 && bs_log2 >= 6)
+        run_split<true>(acc, first, last, ln, K, absmax, absmax2, s_code2, offset, bs_log2, bs2_log2);
+    else
+        run_split<false>(acc, first, last, ln, K, absmax, absmax2, s_code2, offset, bs_log2, bs2_log2);
+
+    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);
+}
