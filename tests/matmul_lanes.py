@@ -1,9 +1,8 @@
-"""The fused matmul kernels' data movement, lane by lane, in Python: which bytes each lane of a
-warp loads, how it turns them into mma fragments, and where the accumulators land, transcribed
-from kernels/matmul_4bit.cu (``emulate_wide``, token tiles of 16 or more) and
-kernels/matmul_4bit_m8.cu (``emulate_m8``, its prmt table lookups included); the mma itself is
-assembled from its fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit
-inputs, fp32 accumulators).
+"""The fused matmul kernels' data movement, lane by lane, in Python: which bytes each lane of a warp
+loads, how it turns them into mma fragments, and where the accumulators land, transcribed from
+kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more) and kernels/matmul_4bit_m8.cu
+(``M8``, its prmt table lookups included); the mma itself is assembled from its fragments by the
+layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
 
 It proves the kernels' index arithmetic (the k permutation shared by both operands, the nibble
 order, the table lookups, the fragment slots, the epilogue) without a GPU; it cannot prove the
@@ -11,6 +10,9 @@ compiled code.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,68 +47,6 @@ def decode_pair(pair: int, scale: float, code: list[float]) -> tuple[float, floa
         code[(pair >> 12) & 0xF] * scale,
         code[(pair >> 8) & 0xF] * scale,
     )
-
-
-def emulate_wide(
-    A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int
-) -> torch.Tensor:
-    """out [M, N] in float64 as one warp per 16 features computes it, K split in steps of 128.
-    ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded here
-    (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
-    M = A.shape[0]
-    act = A.double()
-    out = torch.zeros(M, N, dtype=torch.float64)
-    tiles = -(-M // 8)
-    for n0 in range(0, N, 16):
-        for step in range(-(-K // STEP_K_WIDE)):
-            for tile in range(tiles):
-                m0 = tile * 8
-                acc = torch.zeros(16, 8, dtype=torch.float64)
-                for j in range(8):  # mma j of the step
-                    a = torch.zeros(16, 16, dtype=torch.float64)
-                    b = torch.zeros(16, 8, dtype=torch.float64)
-                    for lane in range(32):
-                        g, t = lane // 4, lane % 4
-                        k = step * STEP_K_WIDE + 32 * t
-                        regs_a = [[0.0, 0.0] for _ in range(4)]
-                        if k < K:
-                            decoded = {}
-                            for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
-                                if n < N:
-                                    row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
-                                    word = int.from_bytes(row[4 * (j >> 1) : 4 * (j >> 1) + 4], "little")
-                                    pair = (word >> (16 * (j & 1))) & 0xFFFF
-                                    decoded[which] = decode_pair(pair, float(scales[n, k // 32]), code)
-                                else:
-                                    decoded[which] = (0.0, 0.0, 0.0, 0.0)
-                            lo, hi = decoded["lo"], decoded["hi"]
-                            regs_a = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
-                        for reg in range(4):
-                            for half in range(2):
-                                r, c = a_fragment_position(lane, reg, half)
-                                a[r, c] = regs_a[reg][half]
-                        # Activations: 8 elements at k + 8q (q = j // 2), halves .x .y (h = 0) or .z .w.
-                        m = m0 + g
-                        q, h = j // 2, j % 2
-                        if k < K and m < M:
-                            elems = act[m, k + 8 * q : k + 8 * q + 8]
-                        else:
-                            elems = torch.zeros(8, dtype=torch.float64)
-                        regs_b = [[elems[4 * h], elems[4 * h + 1]], [elems[4 * h + 2], elems[4 * h + 3]]]
-                        for reg in range(2):
-                            for half in range(2):
-                                kk, nn = b_fragment_position(lane, reg, half)
-                                b[kk, nn] = regs_b[reg][half]
-                    acc += a @ b
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    for index in range(4):
-                        r, c = c_fragment_position(lane, index)
-                        assert (r, c) == (g + 8 * (index >= 2), 2 * t + (index & 1))  # the kernel's epilogue
-                        n, m = n0 + r, m0 + c
-                        if m < M and n < N:
-                            out[m, n] += acc[r, c]
-    return out
 
 
 def byte_perm(a: int, b: int, selector: int) -> int:
@@ -154,26 +94,52 @@ def decode_word(word: int, scale: float, code: list[float]) -> list[float]:
     return values
 
 
-def emulate_m8(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int) -> torch.Tensor:
-    """out [M, N] in float64 as one warp per 16 features computes it, K split in steps of 256.
-    ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded here
-    (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
+@dataclass(frozen=True)
+class Layout:
+    """What differs between the two kernels: k a warp covers per step, mmas per step, the first k
+    of lane t's 8-k word for mma j (``k_of``: its 16-byte load starts at the word's half-step
+    start, ``word``: which 32-bit word of that load), and how a word of codes decodes."""
+
+    step_k: int
+    mmas: int
+    load_k: Callable[[int, int, int], int]  # (step, j, t) -> first k of the lane's 16-byte load
+    word: Callable[[int], int]  # j -> word of that load holding mma j's codes
+    decode: Callable[[int, float, list[float]], list[float]]  # word -> its 8 weights, k order
+
+
+def _decode_word_wide(word: int, scale: float, code: list[float]) -> list[float]:
+    return [*decode_pair(word & 0xFFFF, scale, code), *decode_pair(word >> 16, scale, code)]
+
+
+# kernels/matmul_4bit.cu: 128 k a step, lane t's 32 k at 32t, mma j from bytes 2j, 2j+1.
+WIDE = Layout(STEP_K_WIDE, 8, lambda step, j, t: step * STEP_K_WIDE + 32 * t, lambda j: j // 2, _decode_word_wide)
+# kernels/matmul_4bit_m8.cu: 256 k a step, lane t's 64 k at 64t in two 32-k halves, mma j from
+# word (j % 8) // 2 of half j // 8, decoded by the register-table lookups.
+M8 = Layout(
+    STEP_K_M8, 16, lambda step, j, t: step * STEP_K_M8 + 64 * t + 32 * (j // 8), lambda j: (j % 8) // 2, decode_word
+)
+
+
+def emulate(
+    A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int, layout: Layout
+) -> torch.Tensor:
+    """out [M, N] in float64 as one warp per 16 features computes it, K split in ``layout``'s
+    steps. ``scales`` holds one scale per (feature, 32-k group); decoded values are not rounded
+    here (the kernel rounds each to A's dtype; the arithmetic is not what this checks)."""
     M = A.shape[0]
     act = A.double()
     out = torch.zeros(M, N, dtype=torch.float64)
-    tiles = -(-M // 8)
     for n0 in range(0, N, 16):
-        for step in range(-(-K // STEP_K_M8)):
-            for tile in range(tiles):
-                m0 = tile * 8
+        for step in range(-(-K // layout.step_k)):
+            for m0 in range(0, M, 8):
                 acc = torch.zeros(16, 8, dtype=torch.float64)
-                for j in range(16):  # mma j of the step: half h, word v of the half, its first or last 4 k
-                    h, v, sub = j // 8, (j % 8) // 2, j % 2
+                for j in range(layout.mmas):
+                    v, sub = layout.word(j), j % 2  # the word's first or last 4 k
                     a = torch.zeros(16, 16, dtype=torch.float64)
                     b = torch.zeros(16, 8, dtype=torch.float64)
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
-                        k = step * STEP_K_M8 + 64 * t + 32 * h  # the half's first k
+                        k = layout.load_k(step, j, t)
                         regs_a = [[0.0, 0.0] for _ in range(4)]
                         if k < K:
                             decoded = {}
@@ -181,7 +147,7 @@ def emulate_m8(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[
                                 if n < N:
                                     row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
                                     word = int.from_bytes(row[4 * v : 4 * v + 4], "little")
-                                    decoded[which] = decode_word(word, float(scales[n, k // 32]), code)
+                                    decoded[which] = layout.decode(word, float(scales[n, k // 32]), code)
                                 else:
                                     decoded[which] = [0.0] * 8
                             lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
@@ -190,7 +156,7 @@ def emulate_m8(A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[
                             for half in range(2):
                                 r, c = a_fragment_position(lane, reg, half)
                                 a[r, c] = regs_a[reg][half]
-                        # Activations: 8 elements at k + 8v, halves .x .y (sub = 0) or .z .w.
+                        # Activations: the word's 8 elements of token g, halves .x .y (sub = 0) or .z .w.
                         m = m0 + g
                         if k < K and m < M:
                             elems = act[m, k + 8 * v : k + 8 * v + 8]

@@ -217,7 +217,7 @@ def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
     assert harness.matmul_4bit(torch.empty(0, K, dtype=dtype, device=cuda), B.t(), qs).shape == (0, N)
 
 
-@pytest.mark.parametrize("kernel", ["emulate_m8", "emulate_wide"])
+@pytest.mark.parametrize("kernel", ["M8", "WIDE"])
 @pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)])
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
     """tests/matmul_lanes.py transcribes each kernel's per-lane loads, nibble order, table
@@ -234,7 +234,7 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     code = floats_from_bits(NF4_BITS).double().tolist()
     W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
     A = torch.randn(M, K, generator=g, dtype=torch.float64)
-    got = getattr(matmul_lanes, kernel)(A, packed, scales, code, N, K)
+    got = matmul_lanes.emulate(A, packed, scales, code, N, K, getattr(matmul_lanes, kernel))
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
 
