@@ -233,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
 #endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g;  // and n_lo + 8
+    const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g, n_hi = n_lo + 8;
     const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
     const int steps = (K + STEP_K - 1) / STEP_K;
     const int first = blockIdx.y * steps_per_split;
@@ -242,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     Lane ln;
     ln.k = 64 * t;
     ln.e_lo = (i64)min(n_lo, N - 1) * K;
-    ln.e_hi = (i64)min(n_lo + 8, N - 1) * K;
+    ln.e_hi = (i64)min(n_hi, N - 1) * K;
     ln.w_lo = W + ln.e_lo / 2;
     ln.w_hi = W + ln.e_hi / 2;
 #pragma unroll
