@@ -11,10 +11,13 @@ compiled code.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from harness.runtime import jit
 
 STEP_K_WIDE, STEP_K_M8 = 128, 256
 
@@ -52,8 +55,31 @@ def decode_pair(pair: int, scale: float, code: list[float]) -> tuple[float, floa
 def byte_perm(a: int, b: int, selector: int) -> int:
     """CUDA's __byte_perm (prmt) for selectors whose nibbles are 0-7: byte i of the result is byte
     (nibble i of the selector) of the 8 bytes {b, a}, a's bytes first."""
+    nibbles = [(selector >> (4 * i)) & 0xF for i in range(4)]
+    assert max(nibbles) < 8, f"selector {selector:#x} would sign-replicate a byte"
     source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
-    return int.from_bytes(bytes(source[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
+    return int.from_bytes(bytes(source[n] for n in nibbles), "little")
+
+
+def _m8_constants() -> dict[str, int]:
+    """The byte-permute selectors and masks of kernels/matmul_4bit_m8.cu, read from its source, so
+    this transcription runs the kernel's own constants: a changed constant there changes here."""
+    text = (jit.kernels_dir() / "matmul_4bit_m8.cu").read_text()
+    patterns = {
+        "table": r"tb\.lo\[i\] = prmt\(p, q, (0x[0-9a-f]+)\);\s+tb\.hi\[i\] = prmt\(p, q, (0x[0-9a-f]+)\);",
+        "pair": r"w01 = prmt\(lo, hi, (0x[0-9a-f]+)\);\s+w23 = prmt\(lo, hi, (0x[0-9a-f]+)\);",
+        "low3": r"low3 = x & (0x[0-9a-f]+)u;",
+        "pick": r"pick = lop3_and_or\(shr_mul\(x, 1\), (0x[0-9a-f]+)u, (0x[0-9a-f]+)u\);",
+    }
+    found = {}
+    for name, pattern in patterns.items():
+        match = re.search(pattern, text)
+        assert match, f"kernels/matmul_4bit_m8.cu no longer has its {name} constants where this reads them"
+        found |= {f"{name}{i}": int(v, 16) for i, v in enumerate(match.groups())}
+    return found
+
+
+M8_CONSTANTS = _m8_constants()
 
 
 def make_table(entries: list[int]) -> tuple[list[int], list[int]]:
@@ -62,8 +88,8 @@ def make_table(entries: list[int]) -> tuple[list[int], list[int]]:
     for i in range(4):
         p = entries[4 * i] | entries[4 * i + 1] << 16
         q = entries[4 * i + 2] | entries[4 * i + 3] << 16
-        lo.append(byte_perm(p, q, 0x6420))
-        hi.append(byte_perm(p, q, 0x7531))
+        lo.append(byte_perm(p, q, M8_CONSTANTS["table0"]))
+        hi.append(byte_perm(p, q, M8_CONSTANTS["table1"]))
     return lo, hi
 
 
@@ -71,13 +97,13 @@ def lookup4(table, low3: int, pick: int) -> tuple[int, int]:
     lo_t, hi_t = table
     lo = byte_perm(byte_perm(lo_t[0], lo_t[1], low3), byte_perm(lo_t[2], lo_t[3], low3), pick)
     hi = byte_perm(byte_perm(hi_t[0], hi_t[1], low3), byte_perm(hi_t[2], hi_t[3], low3), pick)
-    return byte_perm(lo, hi, 0x4051), byte_perm(lo, hi, 0x6273)
+    return byte_perm(lo, hi, M8_CONSTANTS["pair0"]), byte_perm(lo, hi, M8_CONSTANTS["pair1"])
 
 
 def decode8(table, x: int) -> list[int]:
     """The kernel's decode8: four registers of two 16-bit table entries each."""
-    low3 = x & 0x77777777
-    pick = ((x >> 1) & 0x44444444) | 0x32103210
+    low3 = x & M8_CONSTANTS["low30"]
+    pick = ((x >> 1) & M8_CONSTANTS["pick0"]) | M8_CONSTANTS["pick1"]
     return [*lookup4(table, low3 & 0xFFFF, pick & 0xFFFF), *lookup4(table, low3 >> 16, pick >> 16)]
 
 
@@ -97,8 +123,8 @@ def decode_word(word: int, scale: float, code: list[float]) -> list[float]:
 @dataclass(frozen=True)
 class Layout:
     """What differs between the two kernels: k a warp covers per step, mmas per step, the first k
-    of lane t's 8-k word for mma j (``k_of``: its 16-byte load starts at the word's half-step
-    start, ``word``: which 32-bit word of that load), and how a word of codes decodes."""
+    of lane t's 16-byte load for mma j (``load_k``), which 32-bit word of that load holds mma j's
+    codes (``word``), and how a word of codes decodes."""
 
     step_k: int
     mmas: int
