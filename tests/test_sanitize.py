@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.correctness import sanitize
+from harness.runtime import matmul_kernel
 
 REPORT = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "not found" on CUDA API call to cuGetProcAddress.
@@ -82,3 +85,21 @@ def test_errors_in_each_of_our_kernels_are_ours_and_the_filter_selects_each():
     other = REPORT.replace("dequantize_4bit_kernel", "kDequantizeBlockwise")
     assert sanitize.count_errors(other)["errors in other kernels"] == 1
     assert sanitize.KERNEL_FILTER not in "kDequantizeBlockwise"
+
+
+@pytest.mark.parametrize(("blocks_per_sm", "sms"), [(1, 3), (2, 46), (4, 132), (8, 108), (32, 144)])
+def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(blocks_per_sm, sms):
+    """Each fused kernel under the sanitizer with and without the split of K (the partial slices
+    and the finish kernel), and the 8-token kernel's last step past K (its zero tables), on any
+    GPU that holds three blocks."""
+    seen = set()
+    for M, N, K in sanitize.MATMUL_SHAPES:
+        tokens = matmul_kernel.token_tile(M)
+        grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms)
+        partial_step = K % matmul_kernel.step_k(tokens) != 0
+        seen.add((matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).source, grid.splits > 1, partial_step))
+        if tokens == matmul_kernel.M8_TOKENS:
+            seen.add(("one table per 64 k" if K % 64 == 0 else "a table per 32-k half", partial_step))
+    m8, wide = matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_WIDE
+    assert {(m8, True, True), (m8, False, True), (wide, True, False), (wide, False, False)} <= seen
+    assert {("one table per 64 k", True), ("a table per 32-k half", True)} <= seen
