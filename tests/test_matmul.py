@@ -127,7 +127,9 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "dtype", "blocksize", "nested"), FORMATS, ids=str)
-@pytest.mark.parametrize(("N", "K"), [(48, 256), (200, 4096 + 96)], ids=["48x256", "200x4192"])
+# K = 320: the 8-token kernel's partial last step with one table per 64 k (K % 64 == 0), and the
+# wide kernel's; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
+@pytest.mark.parametrize(("N", "K"), [(48, 320), (200, 4096 + 96)], ids=["48x320", "200x4192"])
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
 def test_one_hot_rows_give_the_dequantization_kernels_bits(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
