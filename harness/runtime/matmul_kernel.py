@@ -116,6 +116,8 @@ def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
     return -(-blocks // sms) * steps_per_split
 
 
+# Every fused call asks for its grid: a pure function of a few ints, searched once per shape.
+@functools.lru_cache(maxsize=4096)
 def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> Grid:
     """How K is split, as far as the partial sums stay a small share of the weights' traffic,
     every split has at least one step and there are at most ``MAX_SPLITS``.
