@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.runtime import jit
-
-STEP_K_WIDE, STEP_K_M8 = 128, 256
+from harness.runtime.matmul_kernel import STEP_K_M8, STEP_K_WIDE
 
 
 def a_fragment_position(lane: int, reg: int, half: int) -> tuple[int, int]:
