@@ -70,6 +70,18 @@ def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():
     assert matmul_kernel.grid_for(1, 28672, 8192, 8, 4, 132).splits == 2
 
 
+def test_the_grid_steps_k_as_each_kernel_source_does():
+    """The grid's steps must be the kernel's own, or splits would cover too much or too little of K."""
+    import re
+
+    from harness.runtime import jit
+
+    for tokens in matmul_kernel.TOKEN_TILES:
+        source = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).source
+        defined = re.search(r"^#define STEP_K (\d+)", (jit.kernels_dir() / source).read_text(), re.MULTILINE)
+        assert defined and int(defined.group(1)) == matmul_kernel.step_k(tokens), source
+
+
 def test_the_kernel_takes_k_in_multiples_of_32_and_blocks_of_32_or_more():
     assert matmul_kernel.takes_shape(8192, 64) and matmul_kernel.takes_shape(96, 32)
     assert not matmul_kernel.takes_shape(100, 64) and not matmul_kernel.takes_shape(0, 64)
