@@ -18,11 +18,12 @@ import torch
 
 from harness.correctness import call_battery
 from harness.errors import DequantizeInputError
-from harness.runtime import api, dequantize_kernel, host_launcher, torch_op
+from harness.runtime import api, dequantize_kernel, host_launcher, matmul, matmul_kernel, torch_op
 from harness.runtime.launcher import ArgPacker
 
 VALID = dict(call_battery.valid_calls())
 BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
+MATMUL = dict(call_battery.matmul_calls())
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +198,81 @@ def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
     with pytest.raises(Exception, match=r"DequantizeInputError\('A must be on a CUDA device") as info:
         torch.compile(lambda a: harness.dequantize_4bit(a, state), backend="eager", fullgraph=True)(A)
     assert not isinstance(info.value, torch._dynamo.exc.Unsupported)
+
+
+# ---- The fused matmul: the compiled path takes exactly the calls the Python path fuses ----
+
+# What the stand-in plan resolver reports of every variant: blocks an SM holds, SMs; and the crossover.
+BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, 32
+
+
+@pytest.fixture(scope="module")
+def matmul_entry(module, entry):
+    def plan_only(dtype, quant, nested, tokens, device):
+        return (0, 0, 0, matmul_kernel.WARPS * 32, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS)
+
+    return host_launcher.configure_matmul(module, entry, plan_only, crossover=lambda device: CROSSOVER)
+
+
+def _python_matmul(call: dict, compiled):
+    """The Python path's decision and launches for a matmul call, into the compiled path's output
+    and workspace addresses; None where it does not fuse the call."""
+    A, bias, out = call["A"], call["bias"], call["out"]
+    fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
+    if not matmul.takes(A, call["W"], fields, bias, call["max_rows"] or CROSSOVER, backend="cpu"):
+        return None
+    nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
+    try:
+        checked = api.check_call(call["W"], *fields[:4], A.dtype, backend="cpu", **nested)
+    except DequantizeInputError:
+        return None
+    N, K = call["shape"]
+    if out is not None and not matmul.writes_directly(out, A, N):
+        return None
+    M, main_slots = A.numel() // K, compiled[3] if compiled else (0,) * 16
+    tokens = matmul_kernel.token_tile(M)
+    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS)
+    target = out if out is not None else _AtAddress(main_slots[9])
+    main_args, finish_args = matmul.launch_of(A, checked, bias, target, grid, main_slots[7])
+    packed = []
+    for kinds, args in ((matmul_kernel.MAIN_PARAMS, main_args), (matmul_kernel.FINISH_PARAMS, finish_args)):
+        packer = ArgPacker(kinds)
+        packer.pack(args)
+        packed.append(tuple(packer._buf.tolist()))
+    key = (
+        matmul_kernel.DTYPES.index(matmul._NAMES[A.dtype]),
+        matmul_kernel.QUANT_TYPES.index(checked.quant_type),
+        int(checked.nested),
+        matmul_kernel.TOKEN_TILES.index(tokens),
+        -1,  # a host tensor's device index, as PyTorch's C++ gives it
+    )
+    threads = (matmul_kernel.WARPS * 32, matmul_kernel.FINISH_THREADS)
+    return key, grid.blocks, threads[0], packed[0], grid.finish_blocks(M, N), threads[1], packed[1]
+
+
+@pytest.mark.parametrize("name", list(MATMUL))
+def test_both_paths_fuse_the_same_matmul_calls_with_the_same_launches(module, matmul_entry, name):
+    call = MATMUL[name]
+    compiled = module.describe_matmul(matmul_entry, *call_battery.matmul_positional(call))
+    assert compiled == _python_matmul(call, compiled)
+
+
+def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both_decisions(module, matmul_entry):
+    describe = module.describe_matmul
+    launches = {name: describe(matmul_entry, *call_battery.matmul_positional(c)) for name, c in MATMUL.items()}
+    taken = [launch for launch in launches.values() if launch is not None]
+    assert {key[3] for key, *_ in taken} == set(range(len(matmul_kernel.TOKEN_TILES)))
+    assert {grid[1] > 1 for _key, grid, *_ in taken} == {True, False}
+    assert {key[:3] for key, *_ in taken} >= {(d, q, n) for d in (0, 1) for q in (0, 1) for n in (0, 1)}
+    declined = {name for name, launch in launches.items() if launch is None}
+    assert {"over-max-rows", "A-requires-grad", "weight-codes-short", "out-dtype"} <= declined
+    assert "at-max-rows" not in declined and "crossover" not in declined
+
+
+def test_configure_matmul_refuses_what_is_not_a_dequantize_entry(module, entry):
+    with pytest.raises(TypeError, match="entry point from configure"):
+        module.configure_matmul(print, int, int, int, (torch.float16,), (8,), 32, 16)
+    with pytest.raises(TypeError, match="output dtypes"):
+        module.configure_matmul(entry, int, int, int, (torch.int8,), (8,), 32, 16)
+    with pytest.raises(ValueError, match="increasing"):
+        module.configure_matmul(entry, int, int, int, (torch.float16,), (16, 8), 32, 16)

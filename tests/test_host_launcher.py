@@ -2,9 +2,10 @@
 
 Without a GPU: it builds against this PyTorch, reads Tensor subclasses only where Python would
 read the same, and the binding modes behave as documented (tests/test_call_rules.py holds its
-checks, tiling, grid and arguments to the Python path's). On a GPU: it takes every valid call,
-bit-identical to the Python path, declines the forms the Python path converts or rejects, works
-from a fresh thread, and names the CUDA error of a refused launch.
+checks, tiling, grid and arguments to the Python path's, and the fused matmul's decisions and
+launches). On a GPU: it takes every valid call, bit-identical to the Python path, declines the
+forms the Python path converts or rejects, works from a fresh thread, and names the CUDA error of
+a refused launch; the fused matmul's entry likewise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from harness import settings
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import HostLauncherUnavailable, KernelLaunchError, SettingError
-from harness.runtime import api, dequantize_kernel, host_launcher, jit
+from harness.runtime import api, dequantize_kernel, host_launcher, jit, matmul, matmul_kernel
 from harness.runtime.dequantize_kernel import OUT_DTYPES, QUANT_TYPES
 from tests.threads import in_fresh_thread
 
@@ -285,3 +286,94 @@ def test_a_refused_launch_names_the_cuda_error_and_the_context_survives(
     got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
     harness.dequantize_4bit(case.A, case.quant_state(), out=got)
     assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))
+
+
+# --- the fused matmul's entry, on the GPU ------------------------------------------------------
+
+
+def _matmul_case(quant_type, dtype, nested, rows, bias, seed, device, N=200, K=4096):
+    B, qs = cases.quantize_weights((N, K), quant_type, 64, nested, dtype, seed, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    A = torch.randn(rows, K, generator=g, device=device, dtype=dtype)
+    b = torch.randn(N, generator=g, device=device, dtype=dtype) if bias else None
+    return A, B.t(), qs, b
+
+
+def _matmul_args(A, B, qs, bias, out):
+    fields, nested = api.quant_state_args(qs)
+    absmax, blocksize, quant_type, shape, _dtype = fields
+    return (
+        A, B, absmax, nested.get("code2"), nested.get("absmax2"), nested.get("offset"), bias, out, shape, blocksize,
+        nested.get("blocksize2"), quant_type, 1 << 62,
+    )  # fmt: skip
+
+
+def _matmul_python_path(A, B, qs, bias):
+    expected = poison_(torch.empty(A.shape[0], qs.shape[0], dtype=A.dtype, device=A.device), alternate=True)
+    with api.python_path_only():
+        matmul.fused_matmul(A, B, qs, bias, out=expected)
+    return expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quant_type", "dtype_name", "nested", "rows", "bias"),
+    [("nf4", "bf16", True, m, False) for m in (1, 8, 9, 33, 64)]
+    + [(*v[:3], 5, v[3]) for v in itertools.product(QUANT_TYPES, ("fp16", "bf16"), (False, True), (False, True))],
+    ids=lambda v: str(v),
+)
+def test_the_matmul_entry_takes_every_fused_call_bit_identical_to_the_python_path(
+    entry, cuda, run_seed, quant_type, dtype_name, nested, rows, bias
+):
+    A, B, qs, b = _matmul_case(quant_type, api.DTYPES[dtype_name], nested, rows, bias, run_seed, cuda)
+    mm = matmul._host_entry()
+    expected = _matmul_python_path(A, B, qs, b)
+    out = poison_(torch.empty_like(expected))
+    assert mm(*_matmul_args(A, B, qs, b, out)) is out, "the compiled path declined a call the kernel takes"
+    assert_bit_exact(out, expected, "into out")
+    allocated = mm(*_matmul_args(A, B, qs, b, None))
+    assert isinstance(allocated, torch.Tensor) and allocated.shape == expected.shape
+    assert_bit_exact(allocated, expected, "allocated")
+
+
+@pytest.mark.gpu
+def test_the_public_fused_calls_run_through_the_matmul_entry(entry, cuda, run_seed, monkeypatch):
+    """harness.matmul_4bit and the benchmarks' fused_matmul reach the compiled entry: the Python
+    path's launch is never called for a call the entry takes."""
+    A, B, qs, _ = _matmul_case("nf4", torch.bfloat16, True, 4, False, run_seed, cuda)
+    expected = _matmul_python_path(A, B, qs, None)
+
+    def python_launch(*args, **kwargs):
+        raise AssertionError("the Python path launched a call the compiled entry takes")
+
+    monkeypatch.setattr(matmul, "_fused", python_launch)
+    assert_bit_exact(matmul.fused_matmul(A, B, qs), expected, "fused_matmul")
+    assert_bit_exact(harness.matmul_4bit(A, B, qs), expected, "matmul_4bit")
+
+
+@pytest.mark.gpu
+def test_the_matmul_entry_works_from_a_fresh_thread(entry, cuda, run_seed):
+    A, B, qs, b = _matmul_case("fp4", torch.float16, False, 3, True, run_seed, cuda)
+    expected = _matmul_python_path(A, B, qs, b)
+    seen = in_fresh_thread(lambda: [matmul.fused_matmul(A, B, qs, b) for _ in range(2)])
+    for i, got in enumerate(seen):
+        assert_bit_exact(got, expected, f"call {i} in a fresh thread")
+
+
+@pytest.mark.gpu
+def test_a_refused_matmul_launch_names_the_cuda_error_and_the_context_survives(
+    entry, module, cuda, run_seed, monkeypatch
+):
+    def oversized(*key):
+        main, finish, context, _threads, *rest = matmul_kernel.host_plan(*key)
+        return main, finish, context, 4096, *rest  # more threads per block than any GPU has
+
+    A, B, qs, _ = _matmul_case("nf4", torch.bfloat16, True, 1, False, run_seed, cuda)
+    monkeypatch.setattr(matmul, "_bound", (entry, host_launcher.configure_matmul(module, entry, oversized)))
+    with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
+        matmul.fused_matmul(A, B, qs)
+    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, 8)
+    assert info.value.kernel == matmul_kernel.plan(variant, cuda.index).main.label
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert_bit_exact(matmul.fused_matmul(A, B, qs), _matmul_python_path(A, B, qs, None))

@@ -17,6 +17,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -234,8 +235,8 @@ struct Launch {
   uint64_t slots[kParams] = {};
 };
 
-// Checks a call against the rules and resolves its plan; false where the Python path must take it.
-bool prepare(Config* config, PyObject* const* args, Py_ssize_t nargs, Launch* L) {
+// Checks a call against the rules; false where the Python path must take it.
+bool check_call(Config* config, PyObject* const* args, Py_ssize_t nargs, Launch* L) {
   if (nargs != static_cast<Py_ssize_t>(sizeof(kArgs) / sizeof(kArgs[0]))) return false;
   if (!exact_int(args[8], &L->blocksize) || !power_of_two(L->blocksize) ||
       !((config->blocksize_mask >> log2_of(L->blocksize)) & 1))
@@ -301,6 +302,12 @@ bool prepare(Config* config, PyObject* const* args, Py_ssize_t nargs, Launch* L)
     L->out = obeys(config, config->out, args, device, q, L->dtype, L->sizes, L->ndim);
     if (L->out == nullptr) return false;
   }
+  return true;
+}
+
+// Checks a call and resolves its plan; false where the Python path must take it.
+bool prepare(Config* config, PyObject* const* args, Py_ssize_t nargs, Launch* L) {
+  if (!check_call(config, args, nargs, L)) return false;
   L->tiling = L->n >= config->large_min_elements;
   L->plan = plan_for(config, L->quant, L->dtype_index, L->nested, L->tiling, L->device);
   return true;
@@ -329,6 +336,19 @@ at::Tensor allocate(const Launch& L) {
   return at::empty(c10::IntArrayRef(L.sizes, L.ndim), L.A->options().dtype(L.dtype));
 }
 
+// PyTorch's current stream on a GPU, as a raw handle.
+unsigned long long current_stream(Config* config, int64_t device) {
+  PyObject* device_obj = PyLong_FromLongLong(device);
+  if (device_obj == nullptr) throw python_error();
+  PyObject* stream_obj = PyObject_CallOneArg(config->raw_stream, device_obj);
+  Py_DECREF(device_obj);
+  if (stream_obj == nullptr) throw python_error();
+  const unsigned long long stream = PyLong_AsUnsignedLongLong(stream_obj);
+  Py_DECREF(stream_obj);
+  if (PyErr_Occurred()) throw python_error();
+  return stream;
+}
+
 Config* config_of(PyObject* capsule) { return static_cast<Config*>(PyCapsule_GetPointer(capsule, kCapsule)); }
 
 // dequantize(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
@@ -350,15 +370,7 @@ PyObject* dequantize(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs)
   }
   finish(&L, reinterpret_cast<uint64_t>(L.out->data_ptr()), config->max_grid);
 
-  PyObject* device_obj = PyLong_FromLongLong(L.device);
-  if (device_obj == nullptr) throw python_error();
-  PyObject* stream_obj = PyObject_CallOneArg(config->raw_stream, device_obj);
-  Py_DECREF(device_obj);
-  if (stream_obj == nullptr) throw python_error();
-  const unsigned long long stream = PyLong_AsUnsignedLongLong(stream_obj);
-  Py_DECREF(stream_obj);
-  if (PyErr_Occurred()) throw python_error();
-
+  const unsigned long long stream = current_stream(config, L.device);
   void* params[kParams];
   for (int i = 0; i < kParams; ++i) params[i] = &L.slots[i];
   const int err = config->launch(L.plan->function, static_cast<unsigned>(L.grid), 1, 1,
@@ -403,6 +415,378 @@ PyMethodDef dequantize_def = {
     "dequantize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dequantize)), METH_FASTCALL,
     "dequantize(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type): the output, "
     "None (the Python path takes the call) or a CUresult (the driver refused the launch)."};
+
+// ---- The fused matmul (matmul_kernel.py): the same path for its calls ----
+// A call is taken only where matmul.try_fused would run the fused kernel with these tensors as
+// they are: the weight obeys the dequantization call's rules (check_call above, the same tables),
+// the activations, bias and out are as the kernel reads them, no gradient is needed and the rows
+// are within max_rows (None: the GPU's crossover). The token tile, plan and grid come from Python
+// (matmul_kernel.host_plan and host_grid), so each rule about them is stated there once.
+
+constexpr const char* kMatmulArgs[] = {"A",     "W",   "absmax", "code2",     "absmax2",    "offset",    "bias",
+                                       "out",   "shape", "blocksize", "blocksize2", "quant_type", "max_rows"};
+constexpr int kMatmulNargs = sizeof(kMatmulArgs) / sizeof(kMatmulArgs[0]);
+constexpr int kMainParams = 16;   // matmul_kernel.MAIN_PARAMS
+constexpr int kFinishParams = 6;  // matmul_kernel.FINISH_PARAMS
+
+struct MatmulPlan {
+  std::atomic<bool> ready{false};
+  void* main = nullptr;
+  void* finish = nullptr;
+  void* context = nullptr;
+  int64_t main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
+};
+
+struct MatmulConfig {
+  PyObject* dequantize = nullptr;  // the dequantization entry point: owns the Config reused here
+  Config* config = nullptr;
+  PyObject* resolve_plan = nullptr;  // (dtype, quant, nested, tokens, device) -> (main, finish, context,
+                                     //  main threads, finish threads, blocks per SM, SMs); indices but device
+  PyObject* grid_of = nullptr;       // (M, N, K, tokens, blocks per SM, SMs) -> (gx, gy, gz, steps per split,
+                                     //  finish blocks)
+  PyObject* crossover = nullptr;     // (device) -> the most rows the fused kernel takes on that GPU
+  std::vector<PyObject*> dtypes;     // A's dtypes, in the variants' order
+  std::vector<int64_t> token_tiles;
+  int64_t k_multiple = 1, align = 1;
+  std::unique_ptr<MatmulPlan[]> plans;
+  std::unique_ptr<std::atomic<int64_t>[]> crossovers;  // per GPU, -1 until asked
+
+  ~MatmulConfig() {
+    for (PyObject* o : {dequantize, resolve_plan, grid_of, crossover}) Py_XDECREF(o);
+    for (PyObject* o : dtypes) Py_DECREF(o);
+  }
+};
+
+constexpr const char* kMatmulCapsule = "nf4_harness_host.MatmulConfig";
+
+void free_matmul_config(PyObject* capsule) {
+  delete static_cast<MatmulConfig*>(PyCapsule_GetPointer(capsule, kMatmulCapsule));
+}
+
+MatmulConfig* matmul_config_of(PyObject* capsule) {
+  return static_cast<MatmulConfig*>(PyCapsule_GetPointer(capsule, kMatmulCapsule));
+}
+
+uint64_t address(const at::Tensor* t) { return reinterpret_cast<uint64_t>(t->const_data_ptr()); }
+
+const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int nested, int tokens, int64_t device) {
+  const size_t slot = static_cast<size_t>(std::max<int64_t>(device, 0));
+  const size_t index =
+      (((slot * mc->dtypes.size() + dtype) * mc->config->quant_types.size() + quant) * 2 + nested) *
+          mc->token_tiles.size() +
+      tokens;
+  MatmulPlan& plan = mc->plans[index];
+  if (plan.ready.load(std::memory_order_acquire)) return &plan;
+  PyObject* r = PyObject_CallFunction(mc->resolve_plan, "iiiiL", dtype, quant, nested, tokens,
+                                      static_cast<long long>(device));
+  if (r == nullptr) throw python_error();
+  unsigned long long main = 0, finish = 0, context = 0;
+  long long main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
+  const bool parsed = PyArg_ParseTuple(r, "KKKLLLL", &main, &finish, &context, &main_threads, &finish_threads,
+                                       &blocks_per_sm, &sms);
+  Py_DECREF(r);
+  if (!parsed) throw python_error();
+  if (main_threads <= 0 || finish_threads <= 0 || blocks_per_sm <= 0 || sms <= 0) {
+    PyErr_SetString(PyExc_ValueError, "matmul resolve_plan returned a non-positive size");
+    throw python_error();
+  }
+  std::lock_guard<std::mutex> guard(mc->config->mutex);
+  if (!plan.ready.load(std::memory_order_relaxed)) {
+    plan.main = reinterpret_cast<void*>(main);
+    plan.finish = reinterpret_cast<void*>(finish);
+    plan.context = reinterpret_cast<void*>(context);
+    plan.main_threads = main_threads;
+    plan.finish_threads = finish_threads;
+    plan.blocks_per_sm = blocks_per_sm;
+    plan.sms = sms;
+    plan.ready.store(true, std::memory_order_release);
+  }
+  return &plan;
+}
+
+int64_t crossover_of(MatmulConfig* mc, int64_t device) {
+  std::atomic<int64_t>& known = mc->crossovers[static_cast<size_t>(std::max<int64_t>(device, 0))];
+  int64_t rows = known.load(std::memory_order_acquire);
+  if (rows >= 0) return rows;
+  PyObject* r = PyObject_CallFunction(mc->crossover, "L", static_cast<long long>(device));
+  if (r == nullptr) throw python_error();
+  rows = PyLong_AsLongLong(r);
+  Py_DECREF(r);
+  if (rows == -1 && PyErr_Occurred()) throw python_error();
+  known.store(std::max<int64_t>(rows, 0), std::memory_order_release);
+  return rows;
+}
+
+// One matmul call, checked and planned: what its launches need once the output exists.
+struct MatmulLaunch {
+  Launch weight;  // the weight's checks and scale pointers (its A is the packed weight)
+  const at::Tensor* A = nullptr;
+  const at::Tensor* bias = nullptr;
+  const at::Tensor* out = nullptr;  // null: allocate
+  int dtype = 0, tokens = 0;
+  int64_t M = 0, N = 0, K = 0;
+  int64_t out_sizes[kMaxDims] = {};
+  int64_t out_ndim = 0;
+  const MatmulPlan* plan = nullptr;
+  int64_t grid[3] = {}, steps_per_split = 0, finish_blocks = 0;
+  uint64_t main[kMainParams] = {}, finish[kFinishParams] = {};
+};
+
+// A tensor matmul.try_fused reads as it is: plain, dense, on A's device, of A's dtype, 16-byte aligned.
+const at::Tensor* kernel_reads(MatmulConfig* mc, PyObject* obj, const at::Tensor& A) {
+  const at::Tensor* t = plain_tensor(mc->config, obj);
+  if (t == nullptr || t->device() != A.device() || t->scalar_type() != A.scalar_type() || !t->is_contiguous())
+    return nullptr;
+  return address(t) % mc->align == 0 ? t : nullptr;
+}
+
+bool prepare_matmul(MatmulConfig* mc, PyObject* const* args, Py_ssize_t nargs, MatmulLaunch* ML) {
+  if (nargs != kMatmulNargs) return false;
+  Config* config = mc->config;
+  ML->A = plain_tensor(config, args[0]);
+  if (ML->A == nullptr) return false;
+  const at::Tensor& A = *ML->A;
+  ML->dtype = -1;
+  for (size_t i = 0; i < mc->dtypes.size(); ++i) {
+    if (reinterpret_cast<THPDtype*>(mc->dtypes[i])->scalar_type == A.scalar_type()) ML->dtype = static_cast<int>(i);
+  }
+  if (ML->dtype < 0 || A.dim() < 1 || A.numel() == 0 || !A.is_contiguous() || address(ML->A) % mc->align != 0)
+    return false;
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && A.requires_grad()) return false;
+
+  // The weight: the dequantization call's rules, its output dtype A's.
+  PyObject* const weight_args[] = {args[1], args[2], args[3], args[4], args[5], Py_None,
+                                   args[8], mc->dtypes[ML->dtype], args[9], args[10], args[11]};
+  Launch& W = ML->weight;
+  if (!check_call(config, weight_args, sizeof(weight_args) / sizeof(weight_args[0]), &W)) return false;
+  if (W.ndim != 2 || W.A->device() != A.device() || address(W.A) % mc->align != 0) return false;
+  ML->N = W.sizes[0];
+  ML->K = W.sizes[1];
+  if (A.size(-1) != ML->K || ML->K % mc->k_multiple != 0 || W.blocksize < mc->k_multiple) return false;
+  ML->M = A.numel() / ML->K;
+  int64_t max_rows = 0;
+  if (args[12] == Py_None) {
+    max_rows = crossover_of(mc, W.device);
+  } else if (!exact_int(args[12], &max_rows)) {
+    return false;
+  }
+  if (ML->M > max_rows) return false;
+
+  if (args[6] != Py_None) {
+    ML->bias = kernel_reads(mc, args[6], A);
+    if (ML->bias == nullptr || ML->bias->numel() != ML->N || (grad && ML->bias->requires_grad())) return false;
+  }
+  ML->out_ndim = A.dim();
+  for (int64_t i = 0; i + 1 < A.dim(); ++i) ML->out_sizes[i] = A.size(i);
+  ML->out_sizes[A.dim() - 1] = ML->N;
+  if (args[7] != Py_None) {  // written directly only where it is the result's own form
+    const at::Tensor* out = plain_tensor(config, args[7]);
+    if (out == nullptr || out->device() != A.device() || out->scalar_type() != A.scalar_type() ||
+        !out->is_contiguous() || out->dim() != ML->out_ndim)
+      return false;
+    for (int64_t i = 0; i < ML->out_ndim; ++i) {
+      if (out->size(i) != ML->out_sizes[i]) return false;
+    }
+    ML->out = out;
+  }
+
+  ML->tokens = static_cast<int>(mc->token_tiles.size()) - 1;  // the largest for more: the grid covers the rest
+  for (size_t i = 0; i < mc->token_tiles.size(); ++i) {
+    if (ML->M <= mc->token_tiles[i]) {
+      ML->tokens = static_cast<int>(i);
+      break;
+    }
+  }
+  ML->plan = matmul_plan_for(mc, ML->dtype, W.quant, W.nested, ML->tokens, W.device);
+  PyObject* g = PyObject_CallFunction(mc->grid_of, "LLLLLL", static_cast<long long>(ML->M),
+                                      static_cast<long long>(ML->N), static_cast<long long>(ML->K),
+                                      static_cast<long long>(mc->token_tiles[ML->tokens]),
+                                      static_cast<long long>(ML->plan->blocks_per_sm),
+                                      static_cast<long long>(ML->plan->sms));
+  if (g == nullptr) throw python_error();
+  long long gx = 0, gy = 0, gz = 0, steps = 0, finish_blocks = 0;
+  const bool parsed = PyArg_ParseTuple(g, "LLLLL", &gx, &gy, &gz, &steps, &finish_blocks);
+  Py_DECREF(g);
+  if (!parsed) throw python_error();
+  ML->grid[0] = gx;
+  ML->grid[1] = gy;
+  ML->grid[2] = gz;
+  ML->steps_per_split = steps;
+  ML->finish_blocks = finish_blocks;
+  return true;
+}
+
+// The output, the workspace (one fp32 [M, N] slice per split of K) and both kernels' arguments
+// (matmul_kernel.launch_args' order).
+void finish_matmul(MatmulLaunch* ML, at::Tensor* allocated, at::Tensor* workspace) {
+  const at::Tensor& A = *ML->A;
+  if (ML->out == nullptr) {
+    *allocated = at::empty(c10::IntArrayRef(ML->out_sizes, ML->out_ndim), A.options());
+    ML->out = allocated;
+  }
+  const int64_t splits = ML->grid[1];
+  uint64_t partial = 0;
+  if (splits > 1) {
+    *workspace = at::empty({splits * ML->M * ML->N}, A.options().dtype(at::kFloat));
+    partial = reinterpret_cast<uint64_t>(workspace->data_ptr());
+  }
+  const Launch& W = ML->weight;
+  const uint64_t out = reinterpret_cast<uint64_t>(ML->out->data_ptr());
+  const uint64_t bias = ML->bias ? address(ML->bias) : 0;
+  uint64_t* m = ML->main;
+  m[0] = address(ML->A);
+  m[1] = address(W.A);
+  m[2] = W.absmax_ptr;
+  m[3] = W.code2_ptr;
+  m[4] = W.absmax2_ptr;
+  m[5] = W.offset_ptr;
+  std::memcpy(&m[6], &W.offset_value, sizeof(float));
+  m[7] = partial;
+  m[8] = bias;
+  m[9] = out;
+  std::memcpy(&m[10], &ML->M, sizeof(int64_t));
+  const int32_t small[6] = {static_cast<int32_t>(ML->N), static_cast<int32_t>(ML->K), log2_of(W.blocksize),
+                            log2_of(W.blocksize2), static_cast<int32_t>(ML->steps_per_split),
+                            static_cast<int32_t>(splits)};
+  for (int i = 0; i < 5; ++i) std::memcpy(&m[11 + i], &small[i], sizeof(int32_t));
+  uint64_t* f = ML->finish;
+  f[0] = partial;
+  f[1] = bias;
+  f[2] = out;
+  std::memcpy(&f[3], &ML->M, sizeof(int64_t));
+  std::memcpy(&f[4], &small[0], sizeof(int32_t));
+  std::memcpy(&f[5], &small[5], sizeof(int32_t));
+}
+
+// matmul(A, W, absmax, code2, absmax2, offset, bias, out, shape, blocksize, blocksize2, quant_type,
+// max_rows) -> the output; None where the Python path must take the call; (kernel, CUresult) where
+// the driver refused a launch (kernel 0: the main one, 1: the finish).
+PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  MatmulConfig* mc = matmul_config_of(capsule);
+  if (mc == nullptr) return nullptr;
+  MatmulLaunch ML;
+  if (!prepare_matmul(mc, args, nargs, &ML)) Py_RETURN_NONE;
+  Config* config = mc->config;
+  void* current = nullptr;
+  if (config->ctx_get_current(&current) != 0 || current != ML.plan->context) Py_RETURN_NONE;  // another GPU is current
+  at::Tensor allocated, workspace;
+  finish_matmul(&ML, &allocated, &workspace);
+  void* stream = reinterpret_cast<void*>(current_stream(config, ML.weight.device));
+  void* params[kMainParams];
+  for (int i = 0; i < kMainParams; ++i) params[i] = &ML.main[i];
+  int err = config->launch(ML.plan->main, static_cast<unsigned>(ML.grid[0]), static_cast<unsigned>(ML.grid[1]),
+                           static_cast<unsigned>(ML.grid[2]), static_cast<unsigned>(ML.plan->main_threads), 1, 1, 0,
+                           stream, params, nullptr);
+  if (err != 0) return Py_BuildValue("ii", 0, err);
+  if (ML.grid[1] > 1) {
+    for (int i = 0; i < kFinishParams; ++i) params[i] = &ML.finish[i];
+    err = config->launch(ML.plan->finish, static_cast<unsigned>(ML.finish_blocks), 1, 1,
+                         static_cast<unsigned>(ML.plan->finish_threads), 1, 1, 0, stream, params, nullptr);
+    if (err != 0) return Py_BuildValue("ii", 1, err);
+  }
+  if (args[7] != Py_None) {
+    Py_INCREF(args[7]);
+    return args[7];
+  }
+  return THPVariable_Wrap(std::move(allocated));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* slots_tuple(const uint64_t* slots, int count) {
+  PyObject* t = PyTuple_New(count);
+  if (t == nullptr) return nullptr;
+  for (int i = 0; i < count; ++i) PyTuple_SET_ITEM(t, i, PyLong_FromUnsignedLongLong(slots[i]));
+  return t;
+}
+
+// describe_matmul(entry, *args): the launches matmul would make, without the context check or the
+// launches: ((dtype, quant, nested, tokens, device), (gx, gy, gz), main threads, main slots,
+// finish blocks, finish threads, finish slots), or None where it declines.
+PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs < 1 || !PyCFunction_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "describe_matmul: the first argument must be an entry point from configure_matmul()");
+    return nullptr;
+  }
+  MatmulConfig* mc = matmul_config_of(PyCFunction_GET_SELF(args[0]));
+  if (mc == nullptr) return nullptr;
+  MatmulLaunch ML;
+  if (!prepare_matmul(mc, args + 1, nargs - 1, &ML)) Py_RETURN_NONE;
+  at::Tensor allocated, workspace;
+  finish_matmul(&ML, &allocated, &workspace);
+  const Launch& W = ML.weight;
+  return Py_BuildValue("(iiiiL)(LLL)LNLLN", ML.dtype, W.quant, W.nested, ML.tokens, static_cast<long long>(W.device),
+                       static_cast<long long>(ML.grid[0]), static_cast<long long>(ML.grid[1]),
+                       static_cast<long long>(ML.grid[2]), static_cast<long long>(ML.plan->main_threads),
+                       slots_tuple(ML.main, kMainParams), static_cast<long long>(ML.finish_blocks),
+                       static_cast<long long>(ML.plan->finish_threads), slots_tuple(ML.finish, kFinishParams));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef matmul_def = {
+    "matmul", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul)), METH_FASTCALL,
+    "matmul(A, W, absmax, code2, absmax2, offset, bias, out, shape, blocksize, blocksize2, quant_type, max_rows): the "
+    "output, None (the Python path takes the call) or (kernel, CUresult) (the driver refused a launch)."};
+
+// configure_matmul(dequantize_entry, resolve_plan, grid_of, crossover, dtypes, token_tiles, k_multiple, align)
+// -> a matmul entry point sharing the dequantization entry's driver, stream lookup and weight rules
+PyObject* configure_matmul(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *dequantize, *resolve_plan, *grid_of, *crossover, *dtypes, *token_tiles;
+  long long k_multiple = 0, align = 0;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!LL", &dequantize, &resolve_plan, &grid_of, &crossover, &PyTuple_Type, &dtypes,
+                        &PyTuple_Type, &token_tiles, &k_multiple, &align))
+    return nullptr;
+  if (!PyCFunction_Check(dequantize) || PyCFunction_GET_SELF(dequantize) == nullptr ||
+      !PyCapsule_IsValid(PyCFunction_GET_SELF(dequantize), kCapsule)) {
+    PyErr_SetString(PyExc_TypeError, "configure_matmul: the first argument must be an entry point from configure()");
+    return nullptr;
+  }
+  if (k_multiple <= 0 || align <= 0 || PyTuple_GET_SIZE(dtypes) == 0 || PyTuple_GET_SIZE(token_tiles) == 0) {
+    PyErr_SetString(PyExc_ValueError, "configure_matmul: empty dtypes or token tiles, or a non-positive size");
+    return nullptr;
+  }
+  auto next = std::make_unique<MatmulConfig>();
+  next->config = config_of(PyCFunction_GET_SELF(dequantize));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dtypes); ++i) {
+    PyObject* item = PyTuple_GET_ITEM(dtypes, i);
+    if (!THPDtype_Check(item) || index_of(next->config->out_dtypes, item) < 0) {
+      PyErr_SetString(PyExc_TypeError, "configure_matmul: every dtype must be one of the dequantization's output dtypes");
+      return nullptr;
+    }
+    Py_INCREF(item);
+    next->dtypes.push_back(item);
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(token_tiles); ++i) {
+    const long long t = PyLong_AsLongLong(PyTuple_GET_ITEM(token_tiles, i));
+    if (t <= 0 || (!next->token_tiles.empty() && t <= next->token_tiles.back())) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "configure_matmul: token tiles must be increasing");
+      return nullptr;
+    }
+    next->token_tiles.push_back(t);
+  }
+  for (PyObject* f : {dequantize, resolve_plan, grid_of, crossover}) Py_INCREF(f);
+  next->dequantize = dequantize;
+  next->resolve_plan = resolve_plan;
+  next->grid_of = grid_of;
+  next->crossover = crossover;
+  next->k_multiple = k_multiple;
+  next->align = align;
+  const size_t slots = static_cast<size_t>(std::max(next->config->devices, 1));
+  next->plans.reset(new MatmulPlan[slots * next->dtypes.size() * next->config->quant_types.size() * 2 *
+                                   next->token_tiles.size()]);
+  next->crossovers.reset(new std::atomic<int64_t>[slots]);
+  for (size_t i = 0; i < slots; ++i) next->crossovers[i].store(-1);
+  PyObject* capsule = PyCapsule_New(next.get(), kMatmulCapsule, free_matmul_config);
+  if (capsule == nullptr) return nullptr;
+  next.release();
+  PyObject* entry = PyCFunction_New(&matmul_def, capsule);
+  Py_DECREF(capsule);
+  return entry;
+  END_HANDLE_TH_ERRORS
+}
 
 // One row of operands.encoded() into a Rule; false (a Python error set) where it is malformed.
 bool parse_rule(PyObject* row, Rule* rule) {
@@ -548,12 +932,24 @@ PyObject* entry_args(PyObject* /*module*/, PyObject* /*unused*/) {
   return names;
 }
 
+PyObject* matmul_args(PyObject* /*module*/, PyObject* /*unused*/) {
+  PyObject* names = PyTuple_New(kMatmulNargs);
+  if (names == nullptr) return nullptr;
+  for (int i = 0; i < kMatmulNargs; ++i) PyTuple_SET_ITEM(names, i, PyUnicode_FromString(kMatmulArgs[i]));
+  return names;
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "Bind the driver, PyTorch's stream lookup, the operand rules and the kernel's facts; returns the entry point."},
     {"describe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(describe)), METH_FASTCALL,
      "describe(entry, *args): the launch the entry point would make for these arguments, or None."},
     {"entry_args", entry_args, METH_NOARGS, "The entry point's argument names, in order."},
+    {"configure_matmul", configure_matmul, METH_VARARGS,
+     "Bind the fused matmul's plan, grid and crossover beside a dequantize entry point; returns the matmul entry."},
+    {"describe_matmul", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(describe_matmul)), METH_FASTCALL,
+     "describe_matmul(entry, *args): the launches the matmul entry point would make, or None."},
+    {"matmul_args", matmul_args, METH_NOARGS, "The matmul entry point's argument names, in order."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

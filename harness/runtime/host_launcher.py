@@ -211,6 +211,40 @@ def configure(
     )
 
 
+# The matmul entry point's arguments, in the order host_launcher.cpp takes them (checked at bind).
+MATMUL_ARGS = (
+    "A", "W", "absmax", "code2", "absmax2", "offset", "bias", "out", "shape", "blocksize", "blocksize2", "quant_type",
+    "max_rows",
+)  # fmt: skip
+
+
+def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover=None):
+    """The module's fused-matmul entry point beside a ``configure``d dequantize entry, whose driver
+    entry points, stream lookup and weight rules it shares: the plans, grids, dtypes, token tiles
+    and shape rules come from ``matmul_kernel``, the crossover from ``matmul``. Tests replace the
+    plan resolver and the crossover where there is no GPU."""
+    from harness.runtime import matmul, matmul_kernel
+    from harness.runtime.api import DTYPES
+
+    if module.matmul_args() != MATMUL_ARGS:
+        raise HostLauncherUnavailable(f"host_launcher.cpp's matmul takes {module.matmul_args()}, not {MATMUL_ARGS}")
+    return module.configure_matmul(
+        dequantize_entry,
+        resolve_plan or matmul_kernel.host_plan,
+        matmul_kernel.host_grid,
+        crossover or matmul.crossover_m,
+        tuple(DTYPES[name] for name in matmul_kernel.DTYPES),
+        matmul_kernel.TOKEN_TILES,
+        matmul_kernel.K_MULTIPLE,
+        matmul_kernel.ALIGN,
+    )
+
+
+def bind_matmul(dequantize_entry):
+    """The compiled matmul entry beside a bound dequantize entry (``bind``'s): the module is built by then."""
+    return configure_matmul(build(), dequantize_entry)
+
+
 def bind():
     """The compiled entry point ready to call, or None where the Python path is to be used."""
     chosen = mode()

@@ -12,13 +12,13 @@ launch.
 from __future__ import annotations
 
 import functools
-import math
+import threading
 from typing import Any
 
 import torch
 
 from harness.errors import DequantizeInputError
-from harness.runtime import api, matmul_kernel
+from harness.runtime import api, host_launcher, launcher, matmul_kernel
 
 # Rows up to which the fused kernel runs, per GPU model; above, dequantize + F.linear. Each is the
 # largest M at which the fused kernel beat dequantize + F.linear on the 28672x8192 and 8192x8192
@@ -103,19 +103,57 @@ def crossover_m(device_index: int) -> int:
     return CROSSOVER_M.get(torch.cuda.get_device_name(device_index), DEFAULT_CROSSOVER_M)
 
 
+# max_rows for a call the fused kernel takes at any number of rows.
+_ANY_ROWS = 1 << 62
+
+
 def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=False) -> torch.Tensor | None:
     """The fused kernel's result for an [N, K] weight where it takes the call (no gradients
     needed, at most the GPU's ``crossover_m`` rows unless ``any_rows``), else None: the caller
-    has a fallback (ours, or the bitsandbytes patch's)."""
+    has a fallback (ours, or the bitsandbytes patch's). The compiled host path takes the call
+    where its tensors are as the kernel reads them; the rest comes here, with the same decisions."""
+    max_rows = _ANY_ROWS if any_rows else None  # None: the GPU's crossover
+    if (host := _host_entry()) is not None:
+        absmax, blocksize, quant_type, shape, _dtype = fields
+        code2, absmax2 = nested.get("code2"), nested.get("absmax2")
+        result = host(
+            A, B, absmax, code2, absmax2, nested.get("offset"), bias, out, shape, blocksize, nested.get("blocksize2"),
+            quant_type, max_rows,
+        )  # fmt: skip
+        if result is not None:
+            if result.__class__ is tuple:  # (kernel, CUresult): the driver refused a launch
+                variant = _variant(A, quant_type, code2 is not None, A.numel() // shape[1])
+                p = matmul_kernel.plan(variant, A.device.index)
+                raise launcher.launch_error((p.main, p.finish)[result[0]].label, result[1])
+            return result
+    if not takes(A, B, fields, bias, max_rows):
+        return None
+    N, K = fields[3]
+    return _fused(A, B, fields, nested, bias, out, N, K)
+
+
+def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: str = "cuda") -> bool:
+    """Whether the fused kernel computes this call of at most ``max_rows`` rows (None: the GPU's
+    ``crossover_m``), the weight's own rules aside (a weight that breaks them raises
+    DequantizeInputError at the launch); the rest is the fallback's, not an error. ``backend`` is
+    "cpu" only in the tests that hold the compiled path to these decisions."""
     blocksize, shape = fields[1], fields[3]
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
-        return None
+        return False
     N, K = shape[0], shape[1]
-    if not (any_rows or (A.is_cuda and A.numel() // K <= crossover_m(A.device.index))):
-        return None
-    if not _fused_takes(A, B, bias, N, K, blocksize):
-        return None
-    return _fused(A, B, fields, nested, bias, out, N, K)
+    if A.device.type != backend or A.numel() // K > (max_rows or crossover_m(A.device.index)):
+        return False
+    return (
+        A.dtype in _NAMES
+        and matmul_kernel.takes_shape(K, blocksize)
+        and _aligned(A)
+        and isinstance(B, torch.Tensor)
+        and B.device == A.device  # the weight's own rules are checked by the dequantization call's
+        and B.data_ptr() % matmul_kernel.ALIGN == 0
+        and (
+            bias is None or (bias.dtype == A.dtype and bias.device == A.device and bias.numel() == N and _aligned(bias))
+        )
+    )
 
 
 def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
@@ -125,7 +163,7 @@ def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
     fields, nested = api.quant_state_args(quant_state)
     result = try_fused(A, B, fields, nested, bias, out, any_rows=True)
     if result is None:
-        _fail("the fused kernel does not take this call (see matmul._fused_takes)")
+        _fail("the fused kernel does not take this call (see matmul.takes)")
     return result
 
 
@@ -140,45 +178,76 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % matmul_kernel.ALIGN == 0
 
 
-def _fused_takes(A, B, bias, N: int, K: int, blocksize: int) -> bool:
-    """Whether the fused kernel computes this call; the rest is the fallback's, not an error."""
+def writes_directly(out, A: torch.Tensor, N: int) -> bool:
+    """Whether the kernel writes ``out`` itself (the result's shape, dtype and device, dense); any
+    other ``out`` is filled by a copy of the result."""
     return (
-        A.is_cuda
-        and A.dtype in _NAMES
-        and matmul_kernel.takes_shape(K, blocksize)
-        and _aligned(A)
-        and isinstance(B, torch.Tensor)
-        and B.device == A.device  # the weight's own rules are checked by the dequantization call's
-        and B.data_ptr() % matmul_kernel.ALIGN == 0
-        and (
-            bias is None or (bias.dtype == A.dtype and bias.device == A.device and bias.numel() == N and _aligned(bias))
-        )
+        out is not None
+        and out.shape == (*A.shape[:-1], N)
+        and out.dtype == A.dtype
+        and out.device == A.device
+        and out.is_contiguous()
     )
 
 
+def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int) -> matmul_kernel.MatmulVariant:
+    return matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, nested, matmul_kernel.token_tile(M))
+
+
 def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
-    absmax, blocksize, quant_type, shape, _dtype = fields
-    # The weight's rules (packed bytes, scales, nested statistics): the dequantization call's.
-    call = api.check_call(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
-    M = math.prod(A.shape[:-1])
-    result_shape = (*A.shape[:-1], N)
-    direct = out is not None and out.shape == result_shape and out.dtype == A.dtype and out.device == A.device
-    direct = direct and out.is_contiguous()
-    target = out if direct else A.new_empty(result_shape)
-    variant = matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, call.nested, matmul_kernel.token_tile(M))
-    absmax_t, code2, absmax2, offset_t, offset_value = call.scales
-    pointers = [t.data_ptr() if t is not None else 0 for t in (B, absmax_t, code2, absmax2, offset_t)]
+    call = api.check_call(B, *fields[:4], A.dtype, **nested)  # the weight's rules: the dequantization call's
+    direct = writes_directly(out, A, N)
+    target = out if direct else A.new_empty((*A.shape[:-1], N))
     device = A.device.index
-    plan = matmul_kernel.plan(variant, device)
-    grid = plan.grid(M, N, K, variant.tokens)
-    workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
+    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, A.numel() // K), device)
+    grid, workspace = _grid_and_workspace(A, p, N, K)
     with torch.cuda.device(device):  # the kernel's GPU current for the launch, the caller's after
-        matmul_kernel.launch(
-            plan, grid, torch.cuda.current_stream(device).cuda_stream, A.data_ptr(),
-            (*pointers, offset_value), workspace.data_ptr(), bias.data_ptr() if bias is not None else 0,
-            target.data_ptr(), M, N, K, blocksize, call.blocksize2,
-        )  # fmt: skip
+        main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
+        matmul_kernel.launch(p, grid, _raw_stream(device), main_args, finish_args, A.numel() // K, N)
     return target if direct or out is None else _into(out, target)
+
+
+def _grid_and_workspace(A, p: matmul_kernel.Plan, N: int, K: int):
+    M = A.numel() // K
+    grid = p.grid(M, N, K, matmul_kernel.token_tile(M))
+    return grid, A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
+
+
+def launch_of(A, call: api.Call, bias, target, grid: matmul_kernel.Grid, workspace_ptr: int) -> tuple[tuple, tuple]:
+    """The Python path's kernel arguments for a checked weight (``call``): the main kernel's and
+    the finish's (``matmul_kernel.launch_args``)."""
+    N, K = call.shape
+    absmax, code2, absmax2, offset, offset_value = call.scales
+    scales = (*(t.data_ptr() if t is not None else 0 for t in (call.A, absmax, code2, absmax2, offset)), offset_value)
+    return matmul_kernel.launch_args(
+        grid, A.data_ptr(), scales, workspace_ptr, bias.data_ptr() if bias is not None else 0, target.data_ptr(),
+        A.numel() // K, N, K, call.blocksize, call.blocksize2,
+    )  # fmt: skip
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream
+)
+
+# The compiled matmul entry, bound beside the dequantization entry the API bound (api._host): the
+# same binding mode, and python_path_only() turns both off.
+_bound: tuple = (None, None)
+_bind_lock = threading.Lock()
+
+
+def _host_entry():
+    global _bound
+    dequantize = api._host if api._host is not None else api._bind_host()
+    if not dequantize:
+        return None
+    beside, entry = _bound
+    if beside is not dequantize:
+        with _bind_lock:
+            beside, entry = _bound
+            if beside is not dequantize:
+                entry = host_launcher.bind_matmul(dequantize)
+                _bound = (dequantize, entry)
+    return entry
 
 
 # Last: the registered op calls back into this module (a circular import that resolves here).

@@ -101,6 +101,10 @@ class Grid:
         """fp32 partial sums the launch needs: one [M, N] slice per split, none without a split."""
         return self.splits * M * N if self.splits > 1 else 0
 
+    def finish_blocks(self, M: int, N: int) -> int:
+        """Blocks of ``FINISH_THREADS`` the finish runs (one thread an output, grid-strided past 65535)."""
+        return max(1, min(-(-(M * N) // FINISH_THREADS), 65535))
+
 
 # Partial sums of all splits together at most this share of the packed weights' bytes: a split's
 # slice is written and read back once, so more splits only pay while the weights dominate.
@@ -185,10 +189,8 @@ def _sm_count(device_index: int) -> int:
     return Device(device_index).properties.multiprocessor_count
 
 
-def launch(
-    p: Plan,
+def launch_args(
     grid: Grid,
-    stream: int,
     A_ptr: int,
     scales: tuple[int, int, int, int, int, float],
     workspace_ptr: int,
@@ -199,17 +201,40 @@ def launch(
     K: int,
     blocksize: int,
     blocksize2: int,
-) -> None:
-    """Enqueue the main kernel (and, when K is split, the finish) on ``stream``; ``scales`` holds
-    (packed weights, absmax, code2, absmax2, offset pointer, offset value); the workspace holds
-    ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is written); ``p``
-    is the variant's plan on the stream's GPU (``plan``), ``grid`` its grid for the call."""
+) -> tuple[tuple, tuple]:
+    """The main kernel's arguments (``MAIN_PARAMS``) and the finish's (``FINISH_PARAMS``);
+    ``scales`` holds (packed weights, absmax, code2, absmax2, offset pointer, offset value); the
+    workspace holds ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is
+    written). The compiled host path (``host_launcher.cpp``) fills the same slots."""
     main_args = (
         A_ptr, *scales, workspace_ptr, bias_ptr, out_ptr, M, N, K, blocksize.bit_length() - 1,
         blocksize2.bit_length() - 1, grid.steps_per_split,
     )  # fmt: skip
+    return main_args, (workspace_ptr, bias_ptr, out_ptr, M, N, grid.splits)
+
+
+def launch(p: Plan, grid: Grid, stream: int, main_args: tuple, finish_args: tuple, M: int, N: int) -> None:
+    """Enqueue the main kernel (and, when K is split, the finish) on ``stream`` with ``launch_args``'
+    arguments; ``p`` is the variant's plan on the stream's GPU (``plan``), ``grid`` its grid for the call."""
     launcher.launch(p.main, grid.blocks, WARPS * 32, stream, main_args)
     if grid.splits > 1:
-        finish_blocks = max(1, min(-(-(M * N) // FINISH_THREADS), 65535))
-        finish_args = (workspace_ptr, bias_ptr, out_ptr, M, N, grid.splits)
-        launcher.launch(p.finish, finish_blocks, FINISH_THREADS, stream, finish_args)
+        launcher.launch(p.finish, grid.finish_blocks(M, N), FINISH_THREADS, stream, finish_args)
+
+
+# The compiled host path's view of the above (host_launcher.configure_matmul): indices into
+# DTYPES, QUANT_TYPES and TOKEN_TILES, plain tuples it reads without Python attribute lookups.
+def host_plan(dtype: int, quant: int, nested: int, tokens: int, device_index: int) -> tuple[int, ...]:
+    """(main kernel, finish kernel, their context, threads of each, blocks per SM, SMs) of a variant
+    on a GPU, loading it on first use."""
+    p = plan(MatmulVariant(DTYPES[dtype], QUANT_TYPES[quant], bool(nested), TOKEN_TILES[tokens]), device_index)
+    return (
+        int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), WARPS * 32,
+        FINISH_THREADS, p.blocks_per_sm, p.sms,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def host_grid(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> tuple[int, ...]:
+    """(feature groups, splits, token tiles, steps per split, finish blocks): ``grid_for`` as a tuple."""
+    g = grid_for(M, N, K, tokens, blocks_per_sm, sms)
+    return (*g.blocks, g.steps_per_split, g.finish_blocks(M, N))
