@@ -10,9 +10,7 @@ launch.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -213,23 +211,6 @@ def kernel_args(
     return grid, KernelArgs(*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
 
 
-# -- the launch on PyTorch's current stream -------------------------------------------------------
-@functools.cache
-def _torch_hooks():
-    """(current device, raw current-stream handle, torch) bound once: PyTorch's raw calls without
-    building Stream objects or re-checking lazy init (what Triton's launcher uses), the public
-    calls as the fallback."""
-    import torch
-
-    current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    stream = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
-    return current_device, stream, torch
-
-
-_bound = threading.local()  # device indexes whose primary context this thread has made current
-
-
 def launch(
     quant_type: str,
     out_dtype: str,
@@ -247,15 +228,4 @@ def launch(
     p = plan(quant_type, out_dtype, nested, n, device_index)
     grid, args = kernel_args(p.geometry, scales, out_ptr, n, blocksize, blocksize2)
     threads = p.geometry.threads
-    current_device, stream, torch = _torch_hooks()
-    if device_index != current_device():
-        with torch.cuda.device(device_index):
-            launcher.launch(p.kernel, grid, threads, stream(device_index), args)
-        return
-    bound = getattr(_bound, "devices", None)
-    if bound is None or device_index not in bound:
-        # A thread that has not used CUDA yet may have no current context; PyTorch's device
-        # switch makes the primary context current (the same one the kernel was loaded into).
-        torch.cuda.set_device(device_index)
-        _bound.devices = (bound or frozenset()) | {device_index}
-    launcher.launch(p.kernel, grid, threads, stream(device_index), args)
+    launcher.on_gpu(device_index, lambda stream: launcher.launch(p.kernel, grid, threads, stream, args))

@@ -12,8 +12,10 @@ drop-in API's budget is a few microseconds per call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,3 +173,38 @@ def launch(loaded: LoadedKernel, grid: int | tuple[int, int, int], block: int, s
         (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
         raise launch_error(loaded.label, err)
+
+
+# -- PyTorch's current stream, with the GPU's context current ---------------------------------------
+@functools.cache
+def _torch_hooks():
+    """(current device, raw current-stream handle, torch) bound once: PyTorch's raw calls without
+    building Stream objects or re-checking lazy init (what Triton's launcher uses), the public
+    calls as the fallback."""
+    import torch
+
+    current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return current_device, stream, torch
+
+
+_bound = threading.local()  # device indexes whose primary context this thread has made current
+
+
+def on_gpu(device_index: int, launch: Callable[[int], None]) -> None:
+    """Call ``launch(stream)`` with PyTorch's current stream of GPU ``device_index`` while that
+    GPU's primary context (the one kernels are loaded into) is current on this thread; the
+    caller's current device is the same after."""
+    current_device, stream, torch = _torch_hooks()
+    if device_index != current_device():
+        with torch.cuda.device(device_index):
+            launch(stream(device_index))
+        return
+    bound = getattr(_bound, "devices", None)
+    if bound is None or device_index not in bound:
+        # A thread that has not used CUDA yet may have no current context, though PyTorch calls
+        # device 0 current; its device switch makes the primary context current.
+        torch.cuda.set_device(device_index)
+        _bound.devices = (bound or frozenset()) | {device_index}
+    launch(stream(device_index))

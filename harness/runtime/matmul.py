@@ -198,19 +198,13 @@ def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
     call = api.check_call(B, *fields[:4], A.dtype, **nested)  # the weight's rules: the dequantization call's
     direct = writes_directly(out, A, N)
     target = out if direct else A.new_empty((*A.shape[:-1], N))
-    device = A.device.index
-    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, A.numel() // K), device)
-    grid, workspace = _grid_and_workspace(A, p, N, K)
-    with torch.cuda.device(device):  # the kernel's GPU current for the launch, the caller's after
-        main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
-        matmul_kernel.launch(p, grid, _raw_stream(device), main_args, finish_args, A.numel() // K, N)
-    return target if direct or out is None else _into(out, target)
-
-
-def _grid_and_workspace(A, p: matmul_kernel.Plan, N: int, K: int):
-    M = A.numel() // K
+    device, M = A.device.index, A.numel() // K
+    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), device)
     grid = p.grid(M, N, K, matmul_kernel.token_tile(M))
-    return grid, A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
+    workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
+    main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
+    launcher.on_gpu(device, lambda stream: matmul_kernel.launch(p, grid, stream, main_args, finish_args, M, N))
+    return target if direct or out is None else _into(out, target)
 
 
 def launch_of(A, call: api.Call, bias, target, grid: matmul_kernel.Grid, workspace_ptr: int) -> tuple[tuple, tuple]:
@@ -224,10 +218,6 @@ def launch_of(A, call: api.Call, bias, target, grid: matmul_kernel.Grid, workspa
         A.numel() // K, N, K, call.blocksize, call.blocksize2,
     )  # fmt: skip
 
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream
-)
 
 # The compiled matmul entry, bound beside the dequantization entry the API bound (api._host): the
 # same binding mode, and python_path_only() turns both off.
