@@ -7,7 +7,8 @@ reduced matrix through the drop-in API: every variant (nf4/fp4 x fp16/bf16/fp32 
 launched by the compiled host path and by the Python path at both tilings (the large one forced
 onto small tensors, which a sanitizer runs in seconds), with and without a tail (an odd element
 count), and with a misaligned output (the scalar path); then the fused matmul (nf4/fp4 x fp16/bf16 x
-plain/nested) with K split (its finish kernel) and not, one token tile and two, with a bias.
+plain/nested) with K split (its finish kernel) and not, one token tile and two, with a bias,
+launched by the compiled host path and by the Python path.
 Every error is attributed to the kernel it names: only errors in ours fail the run; errors in
 other kernels (PyTorch's, bitsandbytes') and host API errors the libraries hit while probing
 (``cuGetProcAddress`` and the like) are counted apart. memcheck, racecheck and synccheck check
@@ -119,9 +120,12 @@ def _matmul_cases(inputs: str, device) -> int:
         g = cases.seeded_generator(M, device)
         A = torch.randn(M, K, generator=g, device=device).to(dtype)
         bias = torch.randn(N, generator=g, device=device).to(dtype)
-        out = poison_(torch.empty(M, N, dtype=dtype, device=device))
-        matmul.fused_matmul(A, B.t(), qs, bias=bias, out=out)
-        wrong += not mr.judge(out, mr.reference(A, api.dequantize_4bit(B, qs), bias, dtype)).ok
+        expected = mr.reference(A, api.dequantize_4bit(B, qs), bias, dtype)
+        for host_path in (contextlib.nullcontext, api.python_path_only):  # the compiled entry, then Python's
+            out = poison_(torch.empty(M, N, dtype=dtype, device=device))
+            with host_path():
+                matmul.fused_matmul(A, B.t(), qs, bias=bias, out=out)
+            wrong += not mr.judge(out, expected).ok
     return wrong
 
 
