@@ -11,7 +11,8 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
 - dequantize: the 28672x8192 gate weight alone: bitsandbytes' ``F.dequantize_4bit``, Unsloth's
   call path (``harness.correctness.peers.unsloth_style``), ours through the patched ``F.dequantize_4bit``.
 - host: host time per call, queue never full, against one bare cuda-python launch (the floor
-  every launch from Python pays on this host; the perf session reports the same).
+  every launch from Python pays on this host; the perf session reports the same): the
+  dequantization, and one decode row's 4-bit matmul (bitsandbytes', ours fused, matmul mode).
 - matmul: the 4-bit matmul at Llama-3.3-70B gate, o and k shapes (nf4 nested bf16), M tokens:
   bitsandbytes' ``matmul_4bit`` (its own path), ours fused (``harness.runtime.matmul.fused_matmul``)
   and ours dequantize + ``F.linear``, against the packed-weight roofline: the fewest bytes the
@@ -187,8 +188,31 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     with patch.bitsandbytes_patched():
         patched = {"ours via patched F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs)}
         times |= gpu_timer.host_us_per_call(patched, sync, HOST_CALLS, warmup=50)
+    times |= _matmul_host_us(A, qs, sync)
     floor = times["floor: bare cuda-python launch"]
     return [{"call": k, "host_us": v, "x floor": v / floor} for k, v in times.items()]
+
+
+def _matmul_host_us(B: torch.Tensor, qs, sync: Callable[[], object]) -> dict[str, float]:
+    """Host microseconds of one decode row's 4-bit matmul: bitsandbytes' own, ours fused through
+    the compiled host path and through the Python path, and bitsandbytes' in matmul mode."""
+    import bitsandbytes as bnb
+
+    from harness.runtime import api, matmul
+
+    x = torch.randn(1, qs.shape[1], device=B.device, dtype=qs.dtype)
+    calls = {
+        "bitsandbytes matmul_4bit, 1 row": lambda: bnb.matmul_4bit(x, B.t(), qs),
+        "ours fused_matmul, 1 row": lambda: matmul.fused_matmul(x, B.t(), qs),
+    }
+    times = gpu_timer.host_us_per_call(calls, sync, HOST_CALLS, warmup=50)
+    with api.python_path_only():
+        python_path = {"ours fused_matmul, Python path, 1 row": lambda: matmul.fused_matmul(x, B.t(), qs)}
+        times |= gpu_timer.host_us_per_call(python_path, sync, HOST_CALLS, warmup=50)
+    with patch.bitsandbytes_patched(matmul=True):
+        patched = {"bitsandbytes matmul_4bit in matmul mode, 1 row": lambda: bnb.matmul_4bit(x, B.t(), qs)}
+        times |= gpu_timer.host_us_per_call(patched, sync, HOST_CALLS, warmup=50)
+    return times
 
 
 def _matmul_calls(x: torch.Tensor, B: torch.Tensor, qs) -> dict[str, Callable[[], torch.Tensor]]:
