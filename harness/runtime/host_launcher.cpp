@@ -385,6 +385,14 @@ PyObject* dequantize(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
+// A launch's kernel parameter slots as a tuple of ints (for describe and describe_matmul).
+PyObject* slots_tuple(const uint64_t* slots, int count) {
+  PyObject* t = PyTuple_New(count);
+  if (t == nullptr) return nullptr;
+  for (int i = 0; i < count; ++i) PyTuple_SET_ITEM(t, i, PyLong_FromUnsignedLongLong(slots[i]));
+  return t;
+}
+
 // describe(entry, *args): the launch dequantize would make, without the context check or the launch:
 // ((quant, dtype, nested, tiling, device), grid, threads, slots), or None where it declines.
 PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -403,9 +411,8 @@ PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
     L.out = &allocated;
   }
   finish(&L, reinterpret_cast<uint64_t>(L.out->data_ptr()), config->max_grid);
-  PyObject* slots = PyTuple_New(kParams);
+  PyObject* slots = slots_tuple(L.slots, kParams);
   if (slots == nullptr) return nullptr;
-  for (int i = 0; i < kParams; ++i) PyTuple_SET_ITEM(slots, i, PyLong_FromUnsignedLongLong(L.slots[i]));
   return Py_BuildValue("(iiiiL)LLN", L.quant, L.dtype_index, L.nested, L.tiling, static_cast<long long>(L.device),
                        static_cast<long long>(L.grid), static_cast<long long>(L.plan->threads), slots);
   END_HANDLE_TH_ERRORS
@@ -670,7 +677,8 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   if (!prepare_matmul(mc, args, nargs, &ML)) Py_RETURN_NONE;
   Config* config = mc->config;
   void* current = nullptr;
-  if (config->ctx_get_current(&current) != 0 || current != ML.plan->context) Py_RETURN_NONE;  // another GPU is current
+  // Another GPU's context is current, or none (a thread that never used CUDA): the Python path.
+  if (config->ctx_get_current(&current) != 0 || current != ML.plan->context) Py_RETURN_NONE;
   at::Tensor allocated, workspace;
   finish_matmul(&ML, &allocated, &workspace);
   void* stream = reinterpret_cast<void*>(current_stream(config, ML.weight.device));
@@ -694,20 +702,14 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* slots_tuple(const uint64_t* slots, int count) {
-  PyObject* t = PyTuple_New(count);
-  if (t == nullptr) return nullptr;
-  for (int i = 0; i < count; ++i) PyTuple_SET_ITEM(t, i, PyLong_FromUnsignedLongLong(slots[i]));
-  return t;
-}
-
 // describe_matmul(entry, *args): the launches matmul would make, without the context check or the
 // launches: ((dtype, quant, nested, tokens, device), (gx, gy, gz), main threads, main slots,
 // finish blocks, finish threads, finish slots), or None where it declines.
 PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs < 1 || !PyCFunction_Check(args[0])) {
-    PyErr_SetString(PyExc_TypeError, "describe_matmul: the first argument must be an entry point from configure_matmul()");
+    PyErr_SetString(PyExc_TypeError,
+                    "describe_matmul: the first argument must be an entry point from configure_matmul()");
     return nullptr;
   }
   MatmulConfig* mc = matmul_config_of(PyCFunction_GET_SELF(args[0]));
@@ -753,7 +755,8 @@ PyObject* configure_matmul(PyObject* /*module*/, PyObject* args) {
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dtypes); ++i) {
     PyObject* item = PyTuple_GET_ITEM(dtypes, i);
     if (!THPDtype_Check(item) || index_of(next->config->out_dtypes, item) < 0) {
-      PyErr_SetString(PyExc_TypeError, "configure_matmul: every dtype must be one of the dequantization's output dtypes");
+      PyErr_SetString(PyExc_TypeError,
+                      "configure_matmul: every dtype must be one of the dequantization's output dtypes");
       return nullptr;
     }
     Py_INCREF(item);
