@@ -218,12 +218,13 @@ MATMUL_ARGS = (
 )  # fmt: skip
 
 
-def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover=None):
+def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover):
     """The module's fused-matmul entry point beside a ``configure``d dequantize entry, whose driver
     entry points, stream lookup and weight rules it shares: the plans, grids, dtypes, token tiles
-    and shape rules come from ``matmul_kernel``, the crossover from ``matmul``. Tests replace the
-    plan resolver and the crossover where there is no GPU."""
-    from harness.runtime import matmul, matmul_kernel
+    and shape rules come from ``matmul_kernel``; ``crossover(device index)`` gives the most rows
+    it fuses on a GPU where the caller names none. Tests replace the plan resolver where there is
+    no GPU."""
+    from harness.runtime import matmul_kernel
     from harness.runtime.api import DTYPES
 
     if module.matmul_args() != MATMUL_ARGS:
@@ -232,7 +233,7 @@ def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover=N
         dequantize_entry,
         resolve_plan or matmul_kernel.host_plan,
         matmul_kernel.host_grid,
-        crossover or matmul.crossover_m,
+        crossover,
         tuple(DTYPES[name] for name in matmul_kernel.DTYPES),
         matmul_kernel.TOKEN_TILES,
         matmul_kernel.K_MULTIPLE,
@@ -240,9 +241,9 @@ def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover=N
     )
 
 
-def bind_matmul(dequantize_entry):
+def bind_matmul(dequantize_entry, crossover):
     """The compiled matmul entry beside a bound dequantize entry (``bind``'s): the module is built by then."""
-    return configure_matmul(build(), dequantize_entry)
+    return configure_matmul(build(), dequantize_entry, crossover=crossover)
 
 
 def bind():

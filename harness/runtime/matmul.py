@@ -235,7 +235,7 @@ def _host_entry():
         with _bind_lock:
             beside, entry = _bound
             if beside is not dequantize:
-                entry = host_launcher.bind_matmul(dequantize)
+                entry = host_launcher.bind_matmul(dequantize, crossover_m)
                 _bound = (dequantize, entry)
     return entry
 
