@@ -601,3 +601,21 @@ def test_host_time_is_timed_in_batches_shorter_than_the_launch_queue(monkeypatch
     events = []
     gpu_timer.host_us_per_call({"a": lambda: events.append("a")}, lambda: events.append("sync"), calls=5, warmup=1)
     assert events == ["a", "sync", "a", "a", "sync", "a", "a", "sync", "a", "sync"]
+
+
+def test_a_side_is_named_by_a_commit_only_at_the_top_of_its_checkout(tmp_path):
+    """A base tree unpacked inside another checkout is not that checkout's commit: the summary names
+    its directory alone, as outside git."""
+    repo = tmp_path / "repo"
+    (repo / "unpacked").mkdir(parents=True)
+    (repo / "unpacked" / "noxfile.py").write_text("# the base tree\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    rev = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert sides.describe(repo) == f"{repo.resolve()} @ {rev}"
+    (repo / "unpacked" / "noxfile.py").write_text("# changed\n")
+    assert sides.describe(repo) == f"{repo.resolve()} @ {rev}+dirty"
+    assert sides.describe(repo / "unpacked") == str((repo / "unpacked").resolve())
+    assert sides.describe(tmp_path) == str(tmp_path.resolve())

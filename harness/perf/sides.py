@@ -73,18 +73,19 @@ class Side:
 
 
 def describe(root: Path) -> str:
-    """``<dir> @ <short commit>[+dirty]`` for the summary; just the directory outside git."""
+    """``<dir> @ <short commit>[+dirty]`` for the summary; just the directory where it is not the
+    top of a git checkout (a tree unpacked inside another checkout is not that checkout's commit)."""
     root = Path(root).resolve()
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
     try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return str(root)
+        rev = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return str(root)
     return f"{root} @ {rev}{'+dirty' if dirty else ''}"
