@@ -1,10 +1,13 @@
 """Drop-in ``matmul_4bit`` with bitsandbytes 0.50.2's signature and semantics: ``A [..., K] ·
 dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there, ``[K, N]``).
 
-Inference calls with few rows (``crossover_m``, measured per GPU) run the fused kernel (``matmul_kernel``), which
-reads the packed weights once and never writes them out; everything else, and every call that
-needs gradients, runs our dequantization kernel and ``F.linear``, as bitsandbytes' own fallback
-does. A fused result is not bit-identical to cuBLAS (another summation order); its bound is
+Inference calls with few rows (``crossover_m``, measured per GPU) run the fused kernel
+(``matmul_kernel``), which reads the packed weights once and never writes them out; everything
+else, and every call that needs gradients, runs our dequantization kernel and ``F.linear``, as
+bitsandbytes' own fallback does. A fused call goes to the compiled host path first
+(``host_launcher``'s matmul entry), which takes it where every tensor is as the kernel reads it;
+the rest runs the Python path below, with the same decisions (``takes``). A fused result is not
+bit-identical to cuBLAS (another summation order); its bound is
 ``harness.correctness.matmul_reference``'s. Bad input raises ``DequantizeInputError`` before any
 launch.
 """
