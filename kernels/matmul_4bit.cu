@@ -71,17 +71,7 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
     float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
     int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
     __shared__ __align__(16) float s_code[16];
-#if MM_NESTED
-    __shared__ float s_code2[256];  // the scales' code book: a shared-memory read, not a dependent global one
-    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32) s_code2[i] = __ldg(code2 + i);
-    const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value;
-#else
-    const float* s_code2 = nullptr;
-    (void)code2;
-    (void)offset_ptr;
-    (void)offset_value;
-    const float offset = 0.0f;
-#endif
+    MM_SCALES_PROLOGUE;
     if (threadIdx.x == 0) stage_code_table(s_code);
     __syncthreads();
 

@@ -122,6 +122,23 @@ __device__ __forceinline__ elem_t from_float(float v) {
 #endif
 }
 
+// A kernel's first statements: `s_code2` (nested: the scales' code book, staged in shared memory
+// so a scale is a shared-memory read, not a dependent global one) and `offset`, from the kernel's
+// code2, offset_ptr and offset_value parameters. The kernel synchronizes before using them.
+#if MM_NESTED
+#define MM_SCALES_PROLOGUE                                                                  \
+    __shared__ float s_code2[256];                                                         \
+    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32) s_code2[i] = __ldg(code2 + i); \
+    const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value
+#else
+#define MM_SCALES_PROLOGUE             \
+    const float* s_code2 = nullptr;    \
+    (void)code2;                       \
+    (void)offset_ptr;                  \
+    (void)offset_value;                \
+    const float offset = 0.0f
+#endif
+
 // The epilogue. Accumulator (i, c) of lane (g, t): feature n_lo (c < 2) or n_hi = n_lo + 8,
 // token m0 + 8i + 2t + (c & 1). With one split the output (+ bias) is written here; with more,
 // this split's slice of `partial` [splits, M, N], which matmul_4bit_finish adds in split order.

@@ -219,17 +219,9 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
     float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
     int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+    MM_SCALES_PROLOGUE;
 #if MM_NESTED
-    __shared__ float s_code2[256];  // the scales' code book: a shared-memory read, not a dependent global one
-    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32) s_code2[i] = __ldg(code2 + i);
-    const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value;
-    __syncthreads();
-#else
-    const float* s_code2 = nullptr;
-    (void)code2;
-    (void)offset_ptr;
-    (void)offset_value;
-    const float offset = 0.0f;
+    __syncthreads();  // the code book staged (plain scales stage nothing)
 #endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
