@@ -14,7 +14,7 @@
 // permuted, identically for both operands (a dot product does not care): fragment slot s of mma j
 // holds k = 32t + 4j + {0,1,2,3}[s], so a lane's 16 bytes feed its operand-A registers of all 8
 // mmas of the step without a shuffle, and its activations are 64 contiguous bytes of token g (four
-// 16-byte loads through the read-only cache, shared by every warp of the grid). A weight is decoded
+// 16-byte reads of the block's activation tile in shared memory, staged a step ahead). A weight is decoded
 // by one lookup in the 16-entry code table in shared memory, an fp32 multiply and a rounding: with
 // two or more n-tiles that cost is shared by more mmas, and its few registers keep more warps in
 // flight (the per-block register tables of matmul_4bit_m8.cu measured slower here, NOTES).
@@ -65,19 +65,29 @@ __device__ __forceinline__ void load_step(StepWeights& w, int step, const unsign
 // split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
-extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
+// 8 warps (64 tokens): two blocks an SM, 128 registers a thread. On sm_90 ptxas spills a few bytes
+// there, yet on an H100 it ran 15-25% faster than one block an SM without spills (NOTES). 4 warps
+// keep ptxas' default.
+#if MM_WARPS == 8
+#define WIDE_BOUNDS MM_WARPS * 32, 2
+#else
+#define WIDE_BOUNDS MM_WARPS * 32
+#endif
+
+extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(
     const elem_t* __restrict__ A, const unsigned char* __restrict__ W, const void* __restrict__ absmax,
     const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
     float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
     int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
     __shared__ __align__(16) float s_code[16];
+    __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
     MM_SCALES_PROLOGUE;
     if (threadIdx.x == 0) stage_code_table(s_code);
-    __syncthreads();
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g, n_hi = n_lo + 8;
     const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
+    const int rows = (int)min((i64)MM_TOKENS, M - m0);
     const int steps = (K + STEP_K - 1) / STEP_K;
     const int first = blockIdx.y * steps_per_split;
     const int last = min(steps, first + steps_per_split);
@@ -86,13 +96,23 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
 #pragma unroll
     for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    // Software-pipelined: the next step's weights and scale parts are in flight while this one decodes.
+    // Software-pipelined: the next step's weights (registers) and activations (the other stage of
+    // the shared tile) are in flight while this one decodes.
+    if (first < last) stage_activations(s_act[0], A, m0, rows, ACT_ROW_CHUNKS, first * STEP_K, K);
     StepWeights cur;
     load_step(cur, first < last ? first : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2, bs2_log2);
     for (int step = first; step < last; ++step) {
+        const int stage = (step - first) & 1;
         StepWeights next;
         load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2,
                   bs2_log2);
+        cp_async_wait<0>();
+        // This step's tile (and, the first time, the code tables) visible to every warp, and every
+        // warp done with the other stage (the step before), which the next step's tile refills.
+        __syncthreads();
+        if (step + 1 < last)
+            stage_activations(s_act[stage ^ 1], A, m0, rows, ACT_ROW_CHUNKS, (step + 1) * STEP_K, K);
+        const uint4* tile = s_act[stage];
         const int k = step * STEP_K + 32 * t;  // this lane's first k
         const bool k_ok = k < K;               // K % 32 == 0: a lane's 32 k are all in or all out
         const float s_lo = scale_of(cur.p_lo, k_ok && n_lo < N, s_code2, offset);
@@ -100,24 +120,18 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) matmul_4bit_kernel(
         const u32 lo[4] = {cur.lo.x, cur.lo.y, cur.lo.z, cur.lo.w}, hi[4] = {cur.hi.x, cur.hi.y, cur.hi.z, cur.hi.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // 16-byte quarter q of the lane's 64 activation bytes: mmas 2q, 2q+1
-            uint4 act[NT8];
+            u32 a[2][4];  // operand A of mma 2q + h: bytes 2(2q + h), 2(2q + h) + 1 of the lane's 16
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 lo_pair = (lo[q] >> (16 * h)) & 0xffffu, hi_pair = (hi[q] >> (16 * h)) & 0xffffu;
+                decode_frag(a[h], lo_pair, hi_pair, s_lo, s_hi, s_code);
+            }
+            // One token tile's activations at a time: few registers live, so 8 warps fit 128 a thread.
 #pragma unroll
             for (int i = 0; i < NT8; ++i) {
-                const i64 m = m0 + i * 8 + g;
-                act[i] = load_activations(A + m * K + k + 8 * q, k_ok && m < M);
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // mma j = 2q + h: bytes 2j, 2j+1 of the lane's 16
-                const int j = 2 * q + h;
-                const u32 lo_pair = (lo[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                const u32 hi_pair = (hi[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                u32 a[4];
-                decode_frag(a, lo_pair, hi_pair, s_lo, s_hi, s_code);
-#pragma unroll
-                for (int i = 0; i < NT8; ++i) {
-                    const u32 b0 = h ? act[i].z : act[i].x, b1 = h ? act[i].w : act[i].y;
-                    mma(acc[i], a, b0, b1);
-                }
+                const uint4 act = tile[act_slot(8 * i + g, 4 * t + q, ACT_ROW_CHUNKS)];
+                mma(acc[i], a[0], act.x, act.y);
+                mma(acc[i], a[1], act.z, act.w);
             }
         }
         cur = next;

@@ -10,8 +10,8 @@
 // order inside a step is permuted, identically for both operands (a dot product does not care):
 // fragment slot s of mma j holds k = 64t + 4j + {0,1,2,3}[s], so a lane's 32 bytes feed its
 // operand-A registers of all 16 mmas of the step without a shuffle, and its activations are 128
-// contiguous bytes of token g (eight 16-byte loads through the read-only cache, loaded a half step
-// ahead).
+// contiguous bytes of token g (eight 16-byte reads of the block's activation tile in shared memory,
+// staged a step ahead).
 //
 // Decoding is a register table lookup, not a shared-memory one. With one token tile every decoded
 // weight feeds a single mma, so the decode is the work: a shared-memory read per weight (4 bytes of
@@ -98,15 +98,14 @@ __device__ __forceinline__ uint4 load_weights(const unsigned char* p) {
 }
 
 // A lane's rows: its two features' packed bytes and, as element indices of the flattened weight
-// (for their scales), their starts; each token tile's activation row; its first k in a step
-// (64t). Features past N and tokens past M are clamped to the last one: an output depends on its
-// own feature and token only, and those outputs are never stored, so nothing but K is bounded.
+// (for their scales), their starts; its token row g of the activation tile; its first k in a step
+// (64t). Features past N are clamped to the last one: an output depends on its own feature and
+// token only, and those outputs are never stored, so nothing but K is bounded.
 struct Lane {
     const unsigned char* w_lo;
     const unsigned char* w_hi;
     i64 e_lo, e_hi;
-    const elem_t* a[NT8];
-    int k;
+    int g, t, k;
 };
 
 // One step's weights of a lane: 32 packed bytes (two 32-k halves) of each of its two features,
@@ -136,29 +135,13 @@ __device__ __forceinline__ void load_step(StepWeights<kOneBlock>& w, int step, c
     }
 }
 
-// The activations of one 32-k half for every token tile: word v of the half in act[v][i].
-// Past K they are zeros (a tail step's missing half).
-struct HalfActs {
-    uint4 act[4][NT8];
-};
-
-__device__ __forceinline__ void load_half_acts(HalfActs& a, int step, int h, const Lane& ln, int K) {
-    const int k = step * STEP_K + ln.k + 32 * h;
-    const bool ok = k < K;
-    const int at = min(k, K - 32);
-#pragma unroll
-    for (int v = 0; v < 4; ++v)
-#pragma unroll
-        for (int i = 0; i < NT8; ++i) a.act[v][i] = load_activations(ln.a[i] + at + 8 * v, ok);
-}
-
 // One step of a warp: 16 mmas per token tile. kOneBlock: a lane's 64 k lie in one scale block
 // (K % 64 == 0 and blocks of 64 or more), so one table serves both halves; kTail: the step
 // reaches past K, so every half has its own table and one past K gets a table of zeros (its
-// activations are zeros too, and a zero weight keeps an infinite one out of the sum).
-// `ahead` holds this step's first half's activations on entry and the next step's on return.
+// activations are zeros too, and a zero weight keeps an infinite one out of the sum). `tile`
+// holds the step's activations (stage_activations).
 template <bool kOneBlock, bool kTail>
-__device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWeights<kOneBlock>& w, HalfActs& ahead,
+__device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWeights<kOneBlock>& w, const uint4* tile,
                                              int step, const Lane& ln, int K, const float* s_code2, float offset) {
     Table t_lo, t_hi;
 #pragma unroll
@@ -169,8 +152,6 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWei
             t_lo = make_table(scale_of(w.p_lo[p], k_ok, s_code2, offset));
             t_hi = make_table(scale_of(w.p_hi[p], k_ok, s_code2, offset));
         }
-        const HalfActs a = ahead;
-        load_half_acts(ahead, step + h, 1 - h, ln, K);  // the next half: (step, 1), then (step + 1, 0)
         const u32 lo[4] = {w.lo[h].x, w.lo[h].y, w.lo[h].z, w.lo[h].w};
         const u32 hi[4] = {w.hi[h].x, w.hi[h].y, w.hi[h].z, w.hi[h].w};
 #pragma unroll
@@ -181,30 +162,40 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWei
             const u32 a0[4] = {wl[0], wh[0], wl[1], wh[1]}, a1[4] = {wl[2], wh[2], wl[3], wh[3]};
 #pragma unroll
             for (int i = 0; i < NT8; ++i) {
-                mma(acc[i], a0, a.act[v][i].x, a.act[v][i].y);
-                mma(acc[i], a1, a.act[v][i].z, a.act[v][i].w);
+                const uint4 act = tile[act_slot(8 * i + ln.g, 8 * ln.t + 4 * h + v, ACT_ROW_CHUNKS)];
+                mma(acc[i], a0, act.x, act.y);
+                mma(acc[i], a1, act.z, act.w);
             }
         }
     }
 }
 
 template <bool kOneBlock>
-__device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, int last, const Lane& ln, int K,
-                                          const void* absmax, const float* absmax2, const float* s_code2,
+__device__ __forceinline__ void run_split(float (&acc)[NT8][4],
+                                          uint4 (&s_act)[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS], int first,
+                                          int last, const Lane& ln, const elem_t* __restrict__ A, i64 m0, int rows,
+                                          int K, const void* absmax, const float* absmax2, const float* s_code2,
                                           float offset, int bs_log2, int bs2_log2) {
     const int full = K / STEP_K;
-    // Software-pipelined: the next step's weights and scale parts are in flight while this one decodes.
+    // Software-pipelined: the next step's weights and scale parts (registers) and activations (the
+    // other stage of the shared tile) are in flight while this one decodes.
+    if (first < last) stage_activations(s_act[0], A, m0, rows, ACT_ROW_CHUNKS, first * STEP_K, K);
     StepWeights<kOneBlock> cur;
     load_step(cur, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
-    HalfActs ahead;
-    load_half_acts(ahead, first, 0, ln, K);
     for (int step = first; step < last; ++step) {
+        const int stage = (step - first) & 1;
         StepWeights<kOneBlock> next;
         load_step(next, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+        cp_async_wait<0>();
+        // This step's tile (and, the first time, the code book) visible to every warp, and every
+        // warp done with the other stage (the step before), which the next step's tile refills.
+        __syncthreads();
+        if (step + 1 < last)
+            stage_activations(s_act[stage ^ 1], A, m0, rows, ACT_ROW_CHUNKS, (step + 1) * STEP_K, K);
         if (step < full)
-            compute_step<kOneBlock, false>(acc, cur, ahead, step, ln, K, s_code2, offset);
+            compute_step<kOneBlock, false>(acc, cur, s_act[stage], step, ln, K, s_code2, offset);
         else
-            compute_step<kOneBlock, true>(acc, cur, ahead, step, ln, K, s_code2, offset);
+            compute_step<kOneBlock, true>(acc, cur, s_act[stage], step, ln, K, s_code2, offset);
         cur = next;
     }
 }
@@ -219,10 +210,8 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
     float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
     int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+    __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
     MM_SCALES_PROLOGUE;
-#if MM_NESTED
-    __syncthreads();  // the code book staged (plain scales stage nothing)
-#endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g, n_hi = n_lo + 8;
@@ -231,14 +220,16 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     const int first = blockIdx.y * steps_per_split;
     const int last = min(steps, first + steps_per_split);
 
+    const int rows = (int)min((i64)MM_TOKENS, M - m0);
+
     Lane ln;
+    ln.g = g;
+    ln.t = t;
     ln.k = 64 * t;
     ln.e_lo = (i64)min(n_lo, N - 1) * K;
     ln.e_hi = (i64)min(n_hi, N - 1) * K;
     ln.w_lo = W + ln.e_lo / 2;
     ln.w_hi = W + ln.e_hi / 2;
-#pragma unroll
-    for (int i = 0; i < NT8; ++i) ln.a[i] = A + min(m0 + i * 8 + g, M - 1) * K;
 
     float acc[NT8][4];
 #pragma unroll
@@ -246,9 +237,11 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
 
     // A lane's 64 k start at a multiple of 64 of the flattened weight when K is one.
     if (K % 64 == 0 && bs_log2 >= 6)
-        run_split<true>(acc, first, last, ln, K, absmax, absmax2, s_code2, offset, bs_log2, bs2_log2);
+        run_split<true>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+                        bs2_log2);
     else
-        run_split<false>(acc, first, last, ln, K, absmax, absmax2, s_code2, offset, bs_log2, bs2_log2);
+        run_split<false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+                         bs2_log2);
 
     store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);
 }

@@ -209,7 +209,8 @@ BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, 32
 @pytest.fixture(scope="module")
 def matmul_entry(module, entry):
     def plan_only(dtype, quant, nested, tokens, device):
-        return (0, 0, 0, matmul_kernel.WARPS * 32, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS)
+        threads = matmul_kernel.threads(matmul_kernel.TOKEN_TILES[tokens])
+        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS)
 
     return host_launcher.configure_matmul(module, entry, plan_only, crossover=lambda device: CROSSOVER)
 
@@ -246,7 +247,7 @@ def _python_matmul(call: dict, compiled):
         matmul_kernel.TOKEN_TILES.index(tokens),
         -1,  # a host tensor's device index, as PyTorch's C++ gives it
     )
-    threads = (matmul_kernel.WARPS * 32, matmul_kernel.FINISH_THREADS)
+    threads = (matmul_kernel.threads(tokens), matmul_kernel.FINISH_THREADS)
     return key, grid.blocks, threads[0], packed[0], grid.finish_blocks(M, N), threads[1], packed[1]
 
 

@@ -67,13 +67,20 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
     assert compiled["elf"]
     resources = {r["kernel"]: r for r in compiled["resources"]}
     assert set(resources) == {matmul_kernel.ENTRY, matmul_kernel.FINISH}, compiled["log"]
-    for res in resources.values():
+    for name, res in resources.items():
         assert res["arch"] == arch and 0 < res["registers"] <= 255
-        assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
-    # The wide tiles' 16-entry code table (the 8-token kernel's codes are immediates), and nested:
-    # the scales' 256-entry code book.
+        # One allowance: the 8-warp tile asks for two blocks an SM (128 registers a thread), and on
+        # sm_90 ptxas spills a few bytes there; that build measured faster than one block an SM
+        # without spills (kernels/NOTES.md, "Activations in shared memory"). The resource record
+        # fails any growth.
+        cap = 16 if name == matmul_kernel.ENTRY and variant.warps == 8 and arch == "sm_90" else 0
+        assert max(res["spill_store_bytes"], res["spill_load_bytes"], res["stack_frame_bytes"]) <= cap
+    # The wide tiles' 16-entry code table (the 8-token kernel's codes are immediates), nested: the
+    # scales' 256-entry code book, and two stages of the activation tile (a step's k of every token,
+    # 2 bytes each).
     table = 0 if variant.source == matmul_kernel.SOURCE_M8 else 64
-    assert resources[matmul_kernel.ENTRY]["shared_bytes"] == table + (1024 if variant.nested else 0)
+    activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
+    assert resources[matmul_kernel.ENTRY]["shared_bytes"] == table + (1024 if variant.nested else 0) + activations
 
 
 def test_every_kernel_takes_the_code_tables_from_the_one_header():

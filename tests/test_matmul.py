@@ -46,11 +46,12 @@ def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
 )
 @pytest.mark.parametrize(("per_sm", "sms"), [(8, 108), (4, 132), (3, 132)])
 def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, sms):
-    g = matmul_kernel.grid_for(M, N, K, matmul_kernel.token_tile(M), per_sm, sms)
+    tokens = matmul_kernel.token_tile(M)
+    g = matmul_kernel.grid_for(M, N, K, tokens, per_sm, sms)
     groups, splits, tiles = g.blocks
-    steps = -(-K // matmul_kernel.step_k(matmul_kernel.token_tile(M)))
+    steps = -(-K // matmul_kernel.step_k(tokens))
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
-    assert groups * matmul_kernel.FEATURES_PER_BLOCK >= N and tiles * matmul_kernel.token_tile(M) >= M
+    assert groups * matmul_kernel.features_per_block(tokens) >= N and tiles * tokens >= M
     assert splits <= matmul_kernel.MAX_SPLITS
     # The partial sums stay a small share of the weights' bytes.
     assert 4 * g.workspace_elements(M, N) <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1

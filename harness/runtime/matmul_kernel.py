@@ -23,8 +23,10 @@ ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
 DTYPES = ("fp16", "bf16")  # activations, decoded weights and output
 TOKEN_TILES = (8, 16, 32, 64)  # tokens one warp multiplies each decoded weight with
-WARPS = 4  # warps per block, 16 output features each
-FEATURES_PER_BLOCK = WARPS * 16
+# Warps per block (16 output features each) by token tile. The warps of a block share one staged
+# activation tile: at 64 tokens, 8 warps halve its share per weight (H100, 28672x8192: 242 -> 192 µs),
+# while the smaller tiles and weights lose more to the fewer, larger blocks (kernels/NOTES.md).
+WARPS = {8: 4, 16: 4, 32: 4, 64: 8}
 STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
@@ -49,7 +51,11 @@ class MatmulVariant:
 
     @property
     def name(self) -> str:
-        return f"mm4-{self.quant_type}-{self.dtype}-{'nested' if self.nested else 'plain'}-m{self.tokens}-w{WARPS}"
+        return f"mm4-{self.quant_type}-{self.dtype}-{'nested' if self.nested else 'plain'}-m{self.tokens}-w{self.warps}"
+
+    @property
+    def warps(self) -> int:
+        return WARPS[self.tokens]
 
     @property
     def source(self) -> str:
@@ -61,7 +67,7 @@ class MatmulVariant:
             ("MM_QUANT", str(QUANT_TYPES.index(self.quant_type))),
             ("MM_NESTED", "1" if self.nested else "0"),
             ("MM_TOKENS", str(self.tokens)),
-            ("MM_WARPS", str(WARPS)),
+            ("MM_WARPS", str(self.warps)),
         )
 
 
@@ -76,6 +82,15 @@ def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
 def step_k(tokens: int) -> int:
     """k one warp covers per step with this token tile."""
     return STEP_K_M8 if tokens == M8_TOKENS else STEP_K_WIDE
+
+
+def threads(tokens: int) -> int:
+    """Threads a block of the kernel for this token tile runs."""
+    return WARPS[tokens] * 32
+
+
+def features_per_block(tokens: int) -> int:
+    return WARPS[tokens] * 16
 
 
 def token_tile(m: int) -> int:
@@ -135,7 +150,7 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
     The wider tiles wait on their activation loads more than on any pipe, and more splits cost
     them partial sums M times larger: they take as many splits as fit beside each other in one
     wave (a grid just over one wave would run its few extra blocks as a second wave)."""
-    groups, tiles, steps = -(-N // FEATURES_PER_BLOCK), -(-M // tokens), -(-K // step_k(tokens))
+    groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), -(-K // step_k(tokens))
     cap = max(1, min(steps, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
 
@@ -160,6 +175,7 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
 class Plan:
     main: launcher.LoadedKernel
     finish: launcher.LoadedKernel
+    threads: int  # a main kernel block's
     blocks_per_sm: int  # main kernel blocks one SM holds at once
     sms: int
 
@@ -177,8 +193,9 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         finish = launcher.load(
             f"{variant.name}-finish", variant.source, FINISH, device_index, FINISH_PARAMS, variant.macros()
         )
-        per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(WARPS * 32, 0)
-        hit = _plans[key] = Plan(main, finish, max(1, per_sm), _sm_count(device_index))
+        block = threads(variant.tokens)
+        per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
+        hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index))
     return hit
 
 
@@ -216,7 +233,7 @@ def launch_args(
 def launch(p: Plan, grid: Grid, stream: int, main_args: tuple, finish_args: tuple, M: int, N: int) -> None:
     """Enqueue the main kernel (and, when K is split, the finish) on ``stream`` with ``launch_args``'
     arguments; ``p`` is the variant's plan on the stream's GPU (``plan``), ``grid`` its grid for the call."""
-    launcher.launch(p.main, grid.blocks, WARPS * 32, stream, main_args)
+    launcher.launch(p.main, grid.blocks, p.threads, stream, main_args)
     if grid.splits > 1:
         launcher.launch(p.finish, grid.finish_blocks(M, N), FINISH_THREADS, stream, finish_args)
 
@@ -228,7 +245,7 @@ def host_plan(dtype: int, quant: int, nested: int, tokens: int, device_index: in
     on a GPU, loading it on first use."""
     p = plan(MatmulVariant(DTYPES[dtype], QUANT_TYPES[quant], bool(nested), TOKEN_TILES[tokens]), device_index)
     return (
-        int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), WARPS * 32,
+        int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), p.threads,
         FINISH_THREADS, p.blocks_per_sm, p.sms,
     )  # fmt: skip
 

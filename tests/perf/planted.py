@@ -43,7 +43,7 @@ TARGETS = {
     ),
     "matmul": Target(
         (Path("kernels") / "matmul_4bit_m8.cu", Path("kernels") / "matmul_4bit.cu"),
-        'extern "C" __global__ void __launch_bounds__(MM_WARPS * 32',
+        'extern "C" __global__ void __launch_bounds__(',
         "    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n",
         "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);\n}\n",
         "0",  # no fp32-output build
