@@ -147,9 +147,9 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
     busiest SM runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs,
     unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8.
 
-    The wider tiles wait on their activation loads more than on any pipe, and more splits cost
-    them partial sums M times larger: they take as many splits as fit beside each other in one
-    wave (a grid just over one wave would run its few extra blocks as a second wave)."""
+    The wider tiles measured slower under that rule (M = 32 in the A/B gate, kernels/NOTES.md), and
+    more splits cost them partial sums M times larger: they take as many splits as fit beside each
+    other in one wave (a grid just over one wave would run its few extra blocks as a second wave)."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), -(-K // step_k(tokens))
     cap = max(1, min(steps, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
