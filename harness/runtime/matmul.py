@@ -27,8 +27,8 @@ from harness.runtime import api, host_launcher, launcher, matmul_kernel
 # largest M at which the fused kernel beat dequantize + F.linear on the 28672x8192 and 8192x8192
 # shapes in the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU,
 # which prints the value it measured, in every run (the H100 measured 64 and, by 1% on one shape,
-# 128: kernels/NOTES.md, "Activations in shared memory").
-CROSSOVER_M = {"NVIDIA H100 80GB HBM3": 64}
+# 128; the H200 64: kernels/NOTES.md, "Activations in shared memory").
+CROSSOVER_M = {"NVIDIA H100 80GB HBM3": 64, "NVIDIA H200": 64}
 # A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
 # weights once and dequantize + F.linear reads and writes them twice more.
 DEFAULT_CROSSOVER_M = 16
