@@ -66,8 +66,8 @@ __device__ __forceinline__ void load_step(StepWeights& w, int step, const unsign
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
 // 8 warps (64 tokens): two blocks an SM, 128 registers a thread. On sm_90 ptxas spills a few bytes
-// there, yet on an H100 it ran 15-25% faster than one block an SM without spills (NOTES). 4 warps
-// keep ptxas' default.
+// there, yet on an H100 it ran 12-15% faster on the large weights than one block an SM without
+// spills (NOTES). 4 warps keep ptxas' default.
 #if MM_WARPS == 8
 #define WIDE_BOUNDS MM_WARPS * 32, 2
 #else
