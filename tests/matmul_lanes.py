@@ -5,8 +5,8 @@ kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more) and kernels/matmul_
 layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
 
 It proves the kernels' index arithmetic (the k permutation shared by both operands, the nibble
-order, the table lookups, the fragment slots, the epilogue) without a GPU; it cannot prove the
-compiled code.
+order, the table lookups, the activation tile's staging and swizzled slots, the fragment slots,
+the epilogue) without a GPU; it cannot prove the compiled code.
 """
 
 from __future__ import annotations
@@ -81,6 +81,28 @@ def _m8_constants() -> dict[str, int]:
 M8_CONSTANTS = _m8_constants()
 
 
+def _source_expression(file: str, pattern: str, names: str) -> Callable[..., int]:
+    """An integer expression of a kernel source (C and Python agree on the precedence of the
+    operators these use: * + << >> & ^), as a function of ``names``: this transcription runs the
+    kernel's own index arithmetic."""
+    match = re.search(pattern, (jit.kernels_dir() / file).read_text())
+    assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
+    return eval(f"lambda {names}: {match.group(1).replace('ln.', '')}")  # the repository's own source
+
+
+# The activation tile: chunk c (8 k) of token row r sits at this slot, for writes and reads alike.
+act_slot = _source_expression(
+    "matmul_4bit_common.cuh",
+    r"int act_slot\(int row, int c, int row_chunks\) \{\s+return ([^;]+);",
+    "row, c, row_chunks",
+)
+# The chunk each lane reads for its mma j, as each kernel writes it.
+_WIDE_CHUNK = _source_expression("matmul_4bit.cu", r"tile\[act_slot\(8 \* i \+ g, ([^,]+), ACT_ROW_CHUNKS\)\]", "t, q")
+_M8_CHUNK = _source_expression(
+    "matmul_4bit_m8.cu", r"tile\[act_slot\(8 \* i \+ ln\.g, ([^,]+), ACT_ROW_CHUNKS\)\]", "t, h, v"
+)
+
+
 def make_table(entries: list[int]) -> tuple[list[int], list[int]]:
     """The kernel's make_table on 16 16-bit patterns: (low-byte registers, high-byte registers)."""
     lo, hi = [], []
@@ -123,13 +145,15 @@ def decode_word(word: int, scale: float, code: list[float]) -> list[float]:
 class Layout:
     """What differs between the two kernels: k a warp covers per step, mmas per step, the first k
     of lane t's 16-byte load for mma j (``load_k``), which 32-bit word of that load holds mma j's
-    codes (``word``), and how a word of codes decodes."""
+    codes (``word``), how a word of codes decodes, and which chunk of the activation tile lane t
+    reads for mma j (``chunk``)."""
 
     step_k: int
     mmas: int
     load_k: Callable[[int, int, int], int]  # (step, j, t) -> first k of the lane's 16-byte load
     word: Callable[[int], int]  # j -> word of that load holding mma j's codes
     decode: Callable[[int, float, list[float]], list[float]]  # word -> its 8 weights, k order
+    chunk: Callable[[int, int], int]  # (j, t) -> chunk of the tile's row
 
 
 def _decode_word_wide(word: int, scale: float, code: list[float]) -> list[float]:
@@ -137,12 +161,48 @@ def _decode_word_wide(word: int, scale: float, code: list[float]) -> list[float]
 
 
 # kernels/matmul_4bit.cu: 128 k a step, lane t's 32 k at 32t, mma j from bytes 2j, 2j+1.
-WIDE = Layout(STEP_K_WIDE, 8, lambda step, j, t: step * STEP_K_WIDE + 32 * t, lambda j: j // 2, _decode_word_wide)
+WIDE = Layout(
+    STEP_K_WIDE,
+    8,
+    lambda step, j, t: step * STEP_K_WIDE + 32 * t,
+    lambda j: j // 2,
+    _decode_word_wide,
+    lambda j, t: _WIDE_CHUNK(t, j // 2),
+)
 # kernels/matmul_4bit_m8.cu: 256 k a step, lane t's 64 k at 64t in two 32-k halves, mma j from
 # word (j % 8) // 2 of half j // 8, decoded by the register-table lookups.
 M8 = Layout(
-    STEP_K_M8, 16, lambda step, j, t: step * STEP_K_M8 + 64 * t + 32 * (j // 8), lambda j: (j % 8) // 2, decode_word
+    STEP_K_M8,
+    16,
+    lambda step, j, t: step * STEP_K_M8 + 64 * t + 32 * (j // 8),
+    lambda j: (j % 8) // 2,
+    decode_word,
+    lambda j, t: _M8_CHUNK(t, j // 8, (j % 8) // 2),
 )
+
+
+def stage_tile(act: torch.Tensor, step: int, K: int, layout: Layout) -> dict[int, torch.Tensor]:
+    """stage_activations for one step, every token in one tile: slot -> the chunk's 8 elements;
+    zeros past K, NaN in the rows past M (never staged: whatever they hold must not reach a stored
+    output). Each slot is written once."""
+    M, row_chunks = act.shape[0], layout.step_k // 8
+    tile = {}
+    for r in range(-(-M // 8) * 8):
+        for c in range(row_chunks):
+            k = step * layout.step_k + 8 * c
+            slot = act_slot(r, c, row_chunks)
+            assert slot not in tile and 0 <= slot < (r + 1) * row_chunks, (r, c, slot)
+            if r >= M:
+                tile[slot] = torch.full((8,), float("nan"), dtype=torch.float64)
+            else:
+                tile[slot] = act[r, k : k + 8] if k < K else torch.zeros(8, dtype=torch.float64)
+    return tile
+
+
+def bank_groups_of_quarter_warps(slots: list[int]) -> list[set[int]]:
+    """The 16-byte bank groups (8 in a 128-byte row of banks) each quarter warp's 16-byte accesses
+    hit, for 32 lanes' slots."""
+    return [{slot % 8 for slot in slots[q : q + 8]} for q in range(0, 32, 8)]
 
 
 def emulate(
@@ -154,8 +214,9 @@ def emulate(
     M = A.shape[0]
     act = A.double()
     out = torch.zeros(M, N, dtype=torch.float64)
+    tiles = [stage_tile(act, step, K, layout) for step in range(-(-K // layout.step_k))]
     for n0 in range(0, N, 16):
-        for step in range(-(-K // layout.step_k)):
+        for step, tile in enumerate(tiles):
             for m0 in range(0, M, 8):
                 acc = torch.zeros(16, 8, dtype=torch.float64)
                 for j in range(layout.mmas):
@@ -181,12 +242,8 @@ def emulate(
                             for half in range(2):
                                 r, c = a_fragment_position(lane, reg, half)
                                 a[r, c] = regs_a[reg][half]
-                        # Activations: the word's 8 elements of token g, halves .x .y (sub = 0) or .z .w.
-                        m = m0 + g
-                        if k < K and m < M:
-                            elems = act[m, k + 8 * v : k + 8 * v + 8]
-                        else:
-                            elems = torch.zeros(8, dtype=torch.float64)
+                        # Activations: token g's chunk of the staged tile, halves .x .y (sub = 0) or .z .w.
+                        elems = tile[act_slot(m0 + g, layout.chunk(j, t), layout.step_k // 8)]
                         regs_b = [[elems[4 * sub], elems[4 * sub + 1]], [elems[4 * sub + 2], elems[4 * sub + 3]]]
                         for reg in range(2):
                             for half in range(2):

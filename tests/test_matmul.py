@@ -236,8 +236,9 @@ def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
 @pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)])
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
     """tests/matmul_lanes.py transcribes each kernel's per-lane loads, nibble order, table
-    lookups, fragment slots and epilogue; assembled by the PTX fragment layouts, they must
-    compute A · Wᵀ (K = 224 and 320 end in a partial step of either kernel)."""
+    lookups, activation tile (staged, swizzled, NaN in the rows past M), fragment slots and
+    epilogue; assembled by the PTX fragment layouts, they must compute A · Wᵀ (K = 224 and 320 end
+    in a partial step of either kernel)."""
     from harness.correctness.bitcompare import floats_from_bits
     from harness.correctness.reference import NF4_BITS
     from tests import matmul_lanes
@@ -251,6 +252,26 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     A = torch.randn(M, K, generator=g, dtype=torch.float64)
     got = matmul_lanes.emulate(A, packed, scales, code, N, K, getattr(matmul_lanes, kernel))
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["M8", "WIDE"])
+def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
+    """Every quarter warp's 16-byte accesses to the staged activation tile hit 8 different bank
+    groups: each mma's reads (every token tile of 64 rows) and stage_activations' writes of
+    consecutive chunks (tests/matmul_lanes.py reads the slot and chunk arithmetic from the kernels)."""
+    from tests import matmul_lanes
+
+    layout = getattr(matmul_lanes, kernel)
+    row_chunks = layout.step_k // 8
+    for j in range(layout.mmas):
+        for i in range(8):
+            slots = [
+                matmul_lanes.act_slot(8 * i + lane // 4, layout.chunk(j, lane % 4), row_chunks) for lane in range(32)
+            ]
+            assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), (j, i)
+    for first in range(0, 64 * row_chunks, 32):  # a warp's writes: chunks first .. first + 31 in row order
+        slots = [matmul_lanes.act_slot(e // row_chunks, e % row_chunks, row_chunks) for e in range(first, first + 32)]
+        assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), first
 
 
 def test_it_traces_in_one_graph_to_the_ops_checks():
