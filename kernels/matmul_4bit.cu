@@ -18,56 +18,21 @@
 // by one lookup in the 16-entry code table in shared memory, an fp32 multiply and a rounding: with
 // two or more n-tiles that cost is shared by more mmas, and its few registers keep more warps in
 // flight (the per-block register tables of matmul_4bit_m8.cu measured slower here, NOTES).
-#include "matmul_4bit_common.cuh"
+#define STEP_K 128
+#include "matmul_4bit_step128.cuh"
 
 #if MM_TOKENS != 16 && MM_TOKENS != 32 && MM_TOKENS != 64
 #error "matmul_4bit.cu takes MM_TOKENS 16, 32 or 64 (8: matmul_4bit_m8.cu)"
 #endif
-#define STEP_K 128
-
-// Operand-A registers of mma j from two packed bytes of feature g (lo) and g + 8 (hi):
-// a[0] = (g, k+0 | k+1), a[1] = (g+8, k+0 | k+1), a[2] = (g, k+2 | k+3), a[3] = (g+8, k+2 | k+3).
-// Byte 2j holds k+0 (high nibble) and k+1, byte 2j+1 holds k+2 and k+3.
-__device__ __forceinline__ void decode_frag(u32 a[4], u32 lo_pair, u32 hi_pair, float s_lo, float s_hi,
-                                            const float* code) {
-    a[0] = pack2(mul_ftz(code[(lo_pair >> 4) & 0xfu], s_lo), mul_ftz(code[lo_pair & 0xfu], s_lo));
-    a[2] = pack2(mul_ftz(code[(lo_pair >> 12) & 0xfu], s_lo), mul_ftz(code[(lo_pair >> 8) & 0xfu], s_lo));
-    a[1] = pack2(mul_ftz(code[(hi_pair >> 4) & 0xfu], s_hi), mul_ftz(code[hi_pair & 0xfu], s_hi));
-    a[3] = pack2(mul_ftz(code[(hi_pair >> 12) & 0xfu], s_hi), mul_ftz(code[(hi_pair >> 8) & 0xfu], s_hi));
-}
-
-// Weights are read once: streaming loads. Activations are read by every warp: read-only cache.
-__device__ __forceinline__ uint4 load_weights(const unsigned char* p, bool ok) {
-    return ok ? __ldcs(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
-}
-
-// One step's weights of a lane: 16 packed bytes and the scale parts of each of its two features.
-struct StepWeights {
-    uint4 lo, hi;
-    ScaleParts p_lo, p_hi;
-};
-
-// A step at or past K (the pipeline's last prefetch) loads nothing and decodes to zeros.
-__device__ __forceinline__ void load_step(StepWeights& w, int step, const unsigned char* __restrict__ W,
-                                          const void* absmax, const float* absmax2, int n_lo, int n_hi, int N, int K,
-                                          int t, int bs_log2, int bs2_log2) {
-    const int k = step * STEP_K + 32 * t;
-    const bool lo_ok = k < K && n_lo < N, hi_ok = k < K && n_hi < N;
-    w.lo = load_weights(W + ((i64)n_lo * K + k) / 2, lo_ok);
-    w.hi = load_weights(W + ((i64)n_hi * K + k) / 2, hi_ok);
-    // A lane's 32 k never straddle a scale block: 32-aligned, and block sizes are >= 32.
-    w.p_lo = load_scale((i64)n_lo * K + k, lo_ok, absmax, absmax2, bs_log2, bs2_log2);
-    w.p_hi = load_scale((i64)n_hi * K + k, hi_ok, absmax, absmax2, bs_log2, bs2_log2);
-}
 
 // Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 128 k),
 // z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
 // split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
-// 8 warps (64 tokens): two blocks an SM, 128 registers a thread. On sm_90 ptxas spills a few bytes
-// there, yet on an H100 it ran 12-15% faster on the large weights than one block an SM without
-// spills (NOTES). 4 warps keep ptxas' default.
+// 8 warps (64 tokens): two blocks an SM, 128 registers a thread; on an H100 (which runs
+// matmul_4bit_sm90.cu now) that ran 12-15% faster on the large weights than one block an SM
+// (NOTES). 4 warps keep ptxas' default.
 #if MM_WARPS == 8
 #define WIDE_BOUNDS MM_WARPS * 32, 2
 #else

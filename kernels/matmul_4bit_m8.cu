@@ -1,7 +1,7 @@
 // Fused 4-bit matmul for up to 8 tokens (decode): out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
 // W in the bitsandbytes packed format (kernels/dequantize_4bit.cu states it) decoded in registers,
-// never written out. More tokens run matmul_4bit.cu; matmul_4bit_common.cuh holds the macros, the
-// host contract and the arithmetic both share.
+// never written out. More tokens run matmul_4bit.cu (matmul_4bit_sm90.cu on Hopper);
+// matmul_4bit_common.cuh holds the macros, the host contract and the arithmetic they share.
 //
 // mma.sync.m16n8k16 (sm80-sm90) with the weights as operand A (16 output features x 16 k) and the
 // activations as operand B (16 k x 8 tokens): small M wastes at most 7 of 8 token columns, not 15
@@ -27,7 +27,7 @@
 #include "matmul_4bit_common.cuh"
 
 #if MM_TOKENS != 8
-#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: matmul_4bit.cu)"
+#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
 #endif
 #define STEP_K 256  // k one warp covers per step: 64 per lane
 // 128 registers a thread: 4 blocks an SM.

@@ -11,6 +11,7 @@ the epilogue) without a GPU; it cannot prove the compiled code.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,3 +260,127 @@ def emulate(
                         if m < M and n < N:
                             out[m, n] += acc[r, c]
     return out
+
+
+# --- kernels/matmul_4bit_sm90.cu: the same lanes and decode as WIDE, operand B staged for wgmma ----
+_SM90 = (jit.kernels_dir() / "matmul_4bit_sm90.cu").read_text()
+
+
+def _sm90_define(name: str) -> str:
+    match = re.search(rf"^#define {name} (.+?)(?:\s+//.*)?$", _SM90, re.MULTILINE)
+    assert match, f"kernels/matmul_4bit_sm90.cu no longer defines {name} where this reads it"
+    return match.group(1)
+
+
+def sm90_layout(tokens: int, warps: int) -> dict[str, int]:
+    """The kernel's tile macros for a token tile and warp count, evaluated from its own source."""
+    names = {"MM_TOKENS": tokens, "MM_WARPS": warps, "STEP_K": STEP_K_WIDE}
+    for name in ("CORE_LBO", "CORE_SBO", "SLICE_BYTES", "THREADS", "CHUNKS", "ROW_STRIDE"):
+        names[name] = eval(_sm90_define(name).replace("/", "//"), {}, dict(names))  # the kernel's own macros
+    return names
+
+
+def _sm90_expression(pattern: str, names: str) -> Callable[..., int]:
+    """An integer expression of kernels/matmul_4bit_sm90.cu (C's / on ints as Python's //)."""
+    match = re.search(pattern, _SM90)
+    assert match, f"kernels/matmul_4bit_sm90.cu no longer has the expression this reads ({pattern})"
+    return eval(f"lambda {names}: {match.group(1).replace('/', '//')}")  # the repository's own source
+
+
+# store_chunks: where word q of chunk i of thread (x, r) goes, from the kernel's own expressions.
+_STORE_BASE = _sm90_expression(r"unsigned char\* base = stage \+ ([^;]+);", "x, r, SLICE_BYTES, CORE_SBO")
+_STORE_ROW = _sm90_expression(r"unsigned char\* row = base \+ ([^;]+);", "i, ROW_STRIDE, CORE_SBO")
+_STORE_WORD = _sm90_expression(r"\*reinterpret_cast<u32\*>\(row \+ (.+?)\) = w\[q\];", "q, SLICE_BYTES, CORE_LBO")
+
+
+def sm90_store_address(tid: int, i: int, q: int, lay: dict[str, int]) -> int:
+    """The stage byte store_chunks writes word q of thread ``tid``'s chunk i to."""
+    base = _STORE_BASE(tid & 15, tid >> 4, lay["SLICE_BYTES"], lay["CORE_SBO"])
+    row = base + _STORE_ROW(i, lay["ROW_STRIDE"], lay["CORE_SBO"])
+    return row + _STORE_WORD(q, lay["SLICE_BYTES"], lay["CORE_LBO"])
+
+
+def sm90_stage(act: torch.Tensor, step: int, K: int, lay: dict[str, int]) -> dict[int, float]:
+    """store_chunks for one step: stage byte address (of each element) -> value; load_chunks'
+    zeros past K and past M. Every element is written once."""
+    M, stage = act.shape[0], {}
+    for tid in range(lay["THREADS"]):
+        x = tid & 15
+        for i in range(lay["CHUNKS"]):
+            r, k = (tid >> 4) + lay["ROW_STRIDE"] * i, step * STEP_K_WIDE + 8 * x
+            for q in range(4):
+                address = sm90_store_address(tid, i, q, lay)
+                for e in range(2):
+                    assert address + 2 * e not in stage, (tid, i, q)
+                    inside = r < M and k < K
+                    stage[address + 2 * e] = float(act[r, k + 2 * q + e]) if inside else 0.0
+    return stage
+
+
+def sm90_b_operand(stage: dict[int, float], j: int, lay: dict[str, int]) -> torch.Tensor:
+    """Operand B (16 k x tokens) of slice j's wgmma as the tensor cores read it: K-major, no
+    swizzle (PTX ISA, canonical layout ((8, m), (8, 2)) : ((16 B, SBO), (2 B, LBO))), from the
+    slice's start."""
+    b = torch.zeros(16, lay["MM_TOKENS"], dtype=torch.float64)
+    for kk in range(16):
+        for n in range(lay["MM_TOKENS"]):
+            address = j * lay["SLICE_BYTES"] + (n // 8) * lay["CORE_SBO"] + (kk // 8) * lay["CORE_LBO"]
+            b[kk, n] = stage[address + (n % 8) * 16 + (kk % 8) * 2]
+    return b
+
+
+def emulate_sm90(
+    A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int, tokens: int, warps: int
+) -> torch.Tensor:
+    """out [M, N] in float64 as kernels/matmul_4bit_sm90.cu computes it: each warpgroup's four warps
+    hold operand A as WIDE's lanes decode it (rows 16w .. 16w + 15 of the 64), operand B read from
+    the staged tile, one wgmma a slice; the accumulators land as mma.sync's, per warp."""
+    lay = sm90_layout(tokens, warps)
+    M, act = A.shape[0], A.double()
+    out = torch.zeros(M, N, dtype=torch.float64)
+    for m0 in range(0, M, tokens):
+        tile_act = act[m0 : m0 + tokens]
+        stages = [sm90_stage(tile_act, step, K, lay) for step in range(-(-K // STEP_K_WIDE))]
+        for n0 in range(0, N, 64):
+            acc = torch.zeros(64, tokens, dtype=torch.float64)
+            for step, stage in enumerate(stages):
+                for j in range(8):
+                    a = torch.zeros(64, 16, dtype=torch.float64)
+                    for w in range(4):
+                        a[16 * w : 16 * w + 16] = _a_operand(packed, scales, code, N, K, n0 + 16 * w, step, j)
+                    acc += a @ sm90_b_operand(stage, j, lay)
+            for w, lane in itertools.product(range(4), range(32)):
+                for i in range(tokens // 8):
+                    for index in range(4):
+                        r, c = c_fragment_position(lane, index)
+                        n, m = n0 + 16 * w + r, m0 + 8 * i + c
+                        if m < M and n < N:
+                            out[m, n] = acc[16 * w + r, 8 * i + c]
+    return out
+
+
+def _a_operand(packed: bytes, scales, code, N: int, K: int, n0: int, step: int, j: int) -> torch.Tensor:
+    """Operand A (16 features x 16 k) of one warp for slice j, from its lanes as WIDE decodes them."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    v, sub = WIDE.word(j), j % 2
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        k = WIDE.load_k(step, j, t)
+        if k >= K:
+            continue
+        decoded = {}
+        for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
+            if n < N:
+                row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]
+                decoded[which] = WIDE.decode(
+                    int.from_bytes(row[4 * v : 4 * v + 4], "little"), float(scales[n, k // 32]), code
+                )
+            else:
+                decoded[which] = [0.0] * 8
+        lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
+        regs = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
+        for reg in range(4):
+            for half in range(2):
+                r, c = a_fragment_position(lane, reg, half)
+                a[r, c] = regs[reg][half]
+    return a

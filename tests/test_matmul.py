@@ -77,8 +77,8 @@ def test_the_grid_steps_k_as_each_kernel_source_does():
 
     from harness.runtime import jit
 
-    for tokens in matmul_kernel.TOKEN_TILES:
-        source = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).source
+    for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS):
+        source, _ = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).build(arch)
         defined = re.search(r"^#define STEP_K (\d+)", (jit.kernels_dir() / source).read_text(), re.MULTILINE)
         assert defined and int(defined.group(1)) == matmul_kernel.step_k(tokens), source
 
@@ -274,6 +274,43 @@ def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
         assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), first
 
 
+@pytest.mark.parametrize(
+    ("M", "N", "K", "tokens"), [(3, 40, 256, 16), (9, 70, 96 + 128, 16), (20, 24, 320, 32), (70, 130, 160, 64)]
+)
+def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, tokens):
+    """kernels/matmul_4bit_sm90.cu: the lanes' decoded operand A (as WIDE's) and the activations
+    as store_chunks stages them, read back by wgmma's K-major layout with the kernel's strides,
+    must compute A · Wᵀ: the staging undoes the k permutation the weights' side keeps (K = 224 and
+    320 end in a partial step; M = 70 fills a second 64-token tile partly)."""
+    from harness.correctness.bitcompare import floats_from_bits
+    from harness.correctness.reference import NF4_BITS
+    from tests import matmul_lanes
+
+    g = torch.Generator().manual_seed(run_seed)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    packed = bytes((codes[:, 0::2] * 16 + codes[:, 1::2]).flatten().tolist())
+    scales = torch.rand(N, K // 32, generator=g, dtype=torch.float64) + 0.5
+    code = floats_from_bits(NF4_BITS).double().tolist()
+    W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
+    A = torch.randn(M, K, generator=g, dtype=torch.float64)
+    got = matmul_lanes.emulate_sm90(A, packed, scales, code, N, K, tokens, matmul_kernel.WARPS[tokens])
+    torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tokens", [16, 32, 64])
+def test_the_hopper_kernels_staging_stores_hit_32_banks_and_stay_in_its_stage(tokens):
+    """Each warp-wide 4-byte store of store_chunks lands in 32 different banks, inside the stage,
+    and every slice starts 16-byte aligned (a wgmma descriptor's address unit)."""
+    from tests import matmul_lanes
+
+    lay = matmul_lanes.sm90_layout(tokens, matmul_kernel.WARPS[tokens])
+    assert lay["SLICE_BYTES"] % 16 == 0 and lay["CORE_LBO"] % 16 == 0 and lay["CORE_SBO"] % 16 == 0
+    for warp, i, q in itertools.product(range(lay["THREADS"] // 32), range(lay["CHUNKS"]), range(4)):
+        addresses = [matmul_lanes.sm90_store_address(32 * warp + lane, i, q, lay) for lane in range(32)]
+        assert len({a // 4 % 32 for a in addresses}) == 32, (warp, i, q)
+        assert all(0 <= a and a + 4 <= 8 * lay["SLICE_BYTES"] for a in addresses)
+
+
 def test_it_traces_in_one_graph_to_the_ops_checks():
     """torch.compile(fullgraph=True) of a function calling harness.matmul_4bit: TorchDynamo must
     trace into the registered op (a graph break raises Unsupported), whose fake implementation
@@ -287,9 +324,10 @@ def test_it_traces_in_one_graph_to_the_ops_checks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, DEFAULT_CROSSOVER_M, 65])  # 65: above every GPU's crossover
-def test_the_compiled_call_gives_the_eager_bits(cuda, run_seed, M):
+@pytest.mark.parametrize("rows", [1, DEFAULT_CROSSOVER_M, "above the crossover"])
+def test_the_compiled_call_gives_the_eager_bits(cuda, run_seed, rows):
     dtype, N, K = torch.bfloat16, 96, 512
+    M = crossover_m(cuda.index) + 1 if rows == "above the crossover" else rows
     B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)
     bias = torch.randn(N, device=cuda).to(dtype)
@@ -338,9 +376,11 @@ def test_the_measured_crossover_is_read_off_the_table_as_the_last_m_that_won_eve
     assert measured_crossover([row("gate", 1, 3, 2)]) == 0
 
 
-def test_every_gpus_crossover_is_within_the_largest_token_tile():
-    """The fused kernel's token tile caps at 64 (the grid repeats it); the GPU tests' M = 65 case
-    is above every crossover only while this holds."""
+def test_every_gpus_crossover_is_a_row_count_the_matmul_table_measures():
+    """A crossover is read off `bnb-paths --only matmul` (its last M that won on every judged weight),
+    so it is one of the row counts that table times (above the largest token tile, 64, the grid
+    repeats the tile, and a crossover may lie there)."""
+    from harness.perf.bnb_paths import MATMUL_TOKENS
     from harness.runtime import matmul
 
-    assert all(1 <= m <= matmul_kernel.TOKEN_TILES[-1] for m in (*matmul.CROSSOVER_M.values(), DEFAULT_CROSSOVER_M))
+    assert set(matmul.CROSSOVER_M.values()) <= set(MATMUL_TOKENS)

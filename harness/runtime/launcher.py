@@ -85,7 +85,17 @@ def load(
     """Compile (through the cache) and load entry point ``entry`` of ``kernels/<source>``, whose
     parameters have the types ``kinds`` ("ptr", "u64", "i64", "i32", "f32", in order), for one
     GPU; memoised per process."""
-    key = (label, source, entry, device_index, macros, kinds)
+    return load_spec(
+        label, functools.partial(source_spec, source, macros=macros, label=label), entry, device_index, kinds
+    )
+
+
+def load_spec(
+    label: str, spec_of: Callable[[str], jit.CompileSpec], entry: str, device_index: int, kinds: tuple[str, ...]
+) -> LoadedKernel:
+    """``load`` for a kernel whose compile spec depends on the GPU: ``spec_of(arch)`` gives it for
+    the GPU's ``sm_XY``; ``label`` names one kernel (memoised per label, entry and GPU)."""
+    key = (label, entry, device_index, kinds)
     if (hit := _loaded.get(key)) is not None:
         return hit
     with _lock:
@@ -95,7 +105,7 @@ def load(
 
         with _current_context_kept():
             Device(device_index).set_current()  # the primary context, which PyTorch uses too
-            compiled = jit.compile_kernel(source_spec(source, device_arch(device_index), macros, label))
+            compiled = jit.compile_kernel(spec_of(device_arch(device_index)))
             kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
         loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds), kernel.handle)
         return loaded

@@ -26,8 +26,10 @@ from harness.runtime import api, host_launcher, launcher, matmul_kernel
 # Rows up to which the fused kernel runs, per GPU model; above, dequantize + F.linear. Each is the
 # largest M at which the fused kernel beat dequantize + F.linear on the 28672x8192 and 8192x8192
 # shapes in the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU,
-# which prints the value it measured, in every run (the H100 measured 64 and, by 1% on one shape,
-# 128; the H200 64: kernels/NOTES.md, "Activations in shared memory").
+# which prints the value it measured, in every run (the H100 64 and the H200 64: kernels/NOTES.md,
+# "Activations in shared memory"). With the Hopper kernel the H100's table measures 128, but the
+# small 1024x8192 weight is 1.9x slower fused at 128 rows than dequantized (few blocks): one
+# crossover for every weight keeps 64 until it can depend on the weight ("Warpgroup mma on Hopper").
 CROSSOVER_M = {"NVIDIA H100 80GB HBM3": 64, "NVIDIA H200": 64}
 # A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
 # weights once and dequantize + F.linear reads and writes them twice more.

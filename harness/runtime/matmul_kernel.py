@@ -1,5 +1,6 @@
 """The fused 4-bit matmul kernels, everything about them in one place: their variants (up to 8
-tokens a tile ``kernels/matmul_4bit_m8.cu``, more ``kernels/matmul_4bit.cu``, one parameter list),
+tokens a tile ``kernels/matmul_4bit_m8.cu``, more ``kernels/matmul_4bit.cu``, or on Hopper
+``kernels/matmul_4bit_sm90.cu``; one parameter list),
 the shapes they take, the launch plan (token tile, split of K) and the launch on a raw stream: the
 main kernel, writing the output itself when K is not split, else its partial sums into a workspace
 that ``matmul_4bit_finish`` adds in split order.
@@ -19,6 +20,11 @@ from harness.runtime import jit, launcher
 # tables; with more, the shared-memory code table, whose few registers keep more warps in flight.
 SOURCE_M8, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit.cu"
 M8_TOKENS = 8  # the token tile SOURCE_M8 runs; the wider ones run SOURCE_WIDE
+# On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
+# activations from shared memory itself: built for the arch-specific target that has it. Same
+# steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
+SOURCE_SM90 = "matmul_4bit_sm90.cu"
+WGMMA_TARGETS = {"sm_90": "sm_90a"}  # GPU arch -> the compile target of SOURCE_SM90
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
 DTYPES = ("fp16", "bf16")  # activations, decoded weights and output
@@ -57,9 +63,13 @@ class MatmulVariant:
     def warps(self) -> int:
         return WARPS[self.tokens]
 
-    @property
-    def source(self) -> str:
-        return SOURCE_M8 if self.tokens == M8_TOKENS else SOURCE_WIDE
+    def build(self, arch: str) -> tuple[str, str]:
+        """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
+        if self.tokens == M8_TOKENS:
+            return SOURCE_M8, arch
+        if arch in WGMMA_TARGETS:
+            return SOURCE_SM90, WGMMA_TARGETS[arch]
+        return SOURCE_WIDE, arch
 
     def macros(self) -> tuple[tuple[str, str], ...]:
         return (
@@ -76,7 +86,9 @@ def all_variants() -> list[MatmulVariant]:
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
-    return launcher.source_spec(variant.source, arch, variant.macros(), variant.name)
+    """The compile spec of ``variant`` for a GPU of ``arch``."""
+    source, target = variant.build(arch)
+    return launcher.source_spec(source, target, variant.macros(), variant.name)
 
 
 def step_k(tokens: int) -> int:
@@ -189,10 +201,9 @@ _plans: dict[tuple, Plan] = {}
 def plan(variant: MatmulVariant, device_index: int) -> Plan:
     key = (variant, device_index)
     if (hit := _plans.get(key)) is None:
-        main = launcher.load(variant.name, variant.source, ENTRY, device_index, MAIN_PARAMS, variant.macros())
-        finish = launcher.load(
-            f"{variant.name}-finish", variant.source, FINISH, device_index, FINISH_PARAMS, variant.macros()
-        )
+        spec = functools.partial(spec_for, variant)
+        main = launcher.load_spec(variant.name, spec, ENTRY, device_index, MAIN_PARAMS)
+        finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
         block = threads(variant.tokens)
         per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
         hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index))

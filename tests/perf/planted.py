@@ -6,8 +6,8 @@ The planted kernel stretches each launch's GPU time by a set fraction: every blo
 it started (the earliest start wins), and the last block to finish spins until the launch has
 taken ``1 + stretch`` times as long as it had when that block got there. The slowdown is the
 same fraction on every weight size, and optionally only in the fp32-output builds. The kernel is
-the dequantization kernel, or (``--kernel matmul``) the fused matmul's main kernels (both token
-tile kernels), which every matmul case at or below the crossover runs.
+the dequantization kernel, or (``--kernel matmul``) the fused matmul's main kernels (every token
+tile's, the Hopper one included), which every matmul case at or below the crossover runs.
 
     python -m tests.perf.planted DEST --stretch 0.02 [--only-fp32] [--kernel matmul]
 """
@@ -42,7 +42,7 @@ TARGETS = {
         "(DQ_OUT == 2)",
     ),
     "matmul": Target(
-        (Path("kernels") / "matmul_4bit_m8.cu", Path("kernels") / "matmul_4bit.cu"),
+        tuple(Path("kernels") / f"matmul_4bit{name}.cu" for name in ("_m8", "", "_sm90")),
         'extern "C" __global__ void __launch_bounds__(',
         "    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n",
         "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);\n}\n",
