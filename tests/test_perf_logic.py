@@ -490,10 +490,11 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     from tests.perf import planted
 
     dq, mm = planted.TARGETS["dequantize"], planted.TARGETS["matmul"]
-    for header in ("format_4bit.cuh", "matmul_4bit_common.cuh"):  # the kernels' includes, beside the copies
+    # The kernels' includes, beside the copies.
+    for header in ("format_4bit.cuh", "matmul_4bit_common.cuh", "matmul_4bit_step128.cuh"):
         (tmp_path / header).write_text((JUDGE_ROOT / "kernels" / header).read_text())
     original = (JUDGE_ROOT / dq.kernels[0]).read_text()
-    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm8.cu", tmp_path / "mm.cu")
+    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm8.cu", tmp_path / "mm.cu", tmp_path / "mm90.cu")
     source[0].write_text(planted.planted_source(original, 0.02))
     source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
     for path, kernel in zip(source[2:], mm.kernels, strict=True):
@@ -504,9 +505,11 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     variants += [
         (source[2], MatmulVariant("bf16", "nf4", True, 8)),
         (source[3], MatmulVariant("bf16", "nf4", True, 16)),
+        (source[4], MatmulVariant("bf16", "nf4", True, 16)),
     ]
     for path, v in variants:
-        spec = jit.CompileSpec(source=path, arch="sm_90", macros=v.macros(), label=v.name)
+        arch = "sm_90a" if path == source[4] else "sm_90"  # the Hopper kernel's wgmma
+        spec = jit.CompileSpec(source=path, arch=arch, macros=v.macros(), label=v.name)
         assert jit.compile_kernel(spec, use_cache=False).cubin
     with pytest.raises(ValueError, match="anchor"):
         planted.planted_source(original.replace(dq.start, ""), 0.02)
