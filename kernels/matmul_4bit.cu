@@ -30,20 +30,7 @@
 // split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
-// 8 warps (64 tokens): two blocks an SM, 128 registers a thread; on an H100 (which runs
-// matmul_4bit_sm90.cu now) that ran 12-15% faster on the large weights than one block an SM
-// (NOTES). 4 warps keep ptxas' default.
-#if MM_WARPS == 8
-#define WIDE_BOUNDS MM_WARPS * 32, 2
-#else
-#define WIDE_BOUNDS MM_WARPS * 32
-#endif
-
-extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(
-    const elem_t* __restrict__ A, const unsigned char* __restrict__ W, const void* __restrict__ absmax,
-    const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
-    float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
-    int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
     __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
     MM_SCALES_PROLOGUE;

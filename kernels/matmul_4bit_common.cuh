@@ -104,6 +104,14 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
     cp_async_commit();
 }
 
+// The main kernel's parameters, one list for every fused kernel (harness/runtime/matmul_kernel.py's
+// MAIN_PARAMS gives their kinds to the launch; tests/test_launcher_cpu.py holds the two together).
+#define MM_MAIN_PARAMS                                                                                                \
+    const elem_t *__restrict__ A, const unsigned char *__restrict__ W, const void *__restrict__ absmax,              \
+        const float *__restrict__ code2, const float *__restrict__ absmax2, const float *__restrict__ offset_ptr,    \
+        float offset_value, float *__restrict__ partial, const elem_t *__restrict__ bias, elem_t *__restrict__ out, \
+        i64 M, int N, int K, int bs_log2, int bs2_log2, int steps_per_split
+
 // The scale parts of one block, as loaded (every load of a step is issued before any is used):
 // nested, its 8-bit code and its second-level scale; plain, its fp32 absmax.
 struct ScaleParts {

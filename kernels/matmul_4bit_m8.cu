@@ -205,11 +205,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
 // split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
-extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(
-    const elem_t* __restrict__ A, const unsigned char* __restrict__ W, const void* __restrict__ absmax,
-    const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
-    float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
-    int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
     MM_SCALES_PROLOGUE;
 

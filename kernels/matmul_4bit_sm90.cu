@@ -132,17 +132,7 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
 
 // Grid and workspace as matmul_4bit.cu's (x = groups of MM_WARPS * 16 features, y = splits of K,
 // z = token tiles; partial sums added by matmul_4bit_finish in split order).
-#if MM_WARPS == 8
-#define SM90_BOUNDS MM_WARPS * 32, 2
-#else
-#define SM90_BOUNDS MM_WARPS * 32
-#endif
-
-extern "C" __global__ void __launch_bounds__(SM90_BOUNDS) matmul_4bit_kernel(
-    const elem_t* __restrict__ A, const unsigned char* __restrict__ W, const void* __restrict__ absmax,
-    const float* __restrict__ code2, const float* __restrict__ absmax2, const float* __restrict__ offset_ptr,
-    float offset_value, float* __restrict__ partial, const elem_t* __restrict__ bias, elem_t* __restrict__ out, i64 M,
-    int N, int K, int bs_log2, int bs2_log2, int steps_per_split) {
+extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
     __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
     MM_SCALES_PROLOGUE;

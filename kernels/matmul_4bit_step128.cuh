@@ -44,3 +44,12 @@ __device__ __forceinline__ void load_step(StepWeights& w, int step, const unsign
     w.p_lo = load_scale((i64)n_lo * K + k, lo_ok, absmax, absmax2, bs_log2, bs2_log2);
     w.p_hi = load_scale((i64)n_hi * K + k, hi_ok, absmax, absmax2, bs_log2, bs2_log2);
 }
+
+// Launch bounds of both wide-tile kernels. 8 warps (64 tokens): two blocks an SM, 128 registers a
+// thread; with mma.sync on an H100 that ran 12-15% faster on the large weights than one block an
+// SM (NOTES, "Activations in shared memory"). 4 warps keep ptxas' default.
+#if MM_WARPS == 8
+#define WIDE_BOUNDS MM_WARPS * 32, 2
+#else
+#define WIDE_BOUNDS MM_WARPS * 32
+#endif
