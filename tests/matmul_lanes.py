@@ -88,7 +88,8 @@ def _source_expression(file: str, pattern: str, names: str) -> Callable[..., int
     kernel's own index arithmetic."""
     match = re.search(pattern, (jit.kernels_dir() / file).read_text())
     assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
-    return eval(f"lambda {names}: {match.group(1).replace('ln.', '')}")  # the repository's own source
+    expression = match.group(1).replace("ln.", "").replace("/", "//")  # C's / on ints is Python's //
+    return eval(f"lambda {names}: {expression}")  # the repository's own source
 
 
 # The activation tile: chunk c (8 k) of token row r sits at this slot, for writes and reads alike.
@@ -182,6 +183,34 @@ M8 = Layout(
 )
 
 
+def a_operand(packed: bytes, scales, code, N: int, K: int, n0: int, step: int, j: int, layout: Layout) -> torch.Tensor:
+    """Operand A (16 features x 16 k) of mma j of a step for the warp owning features n0 ..
+    n0 + 15, assembled from what each lane loads (its 16-byte load, the word holding mma j's codes)
+    and decodes; zeros past K and past N."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    v, sub = layout.word(j), j % 2  # the word's first or last 4 k
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        k = layout.load_k(step, j, t)
+        regs = [[0.0, 0.0] for _ in range(4)]
+        if k < K:
+            decoded = {}
+            for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
+                if n < N:
+                    row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
+                    word = int.from_bytes(row[4 * v : 4 * v + 4], "little")
+                    decoded[which] = layout.decode(word, float(scales[n, k // 32]), code)
+                else:
+                    decoded[which] = [0.0] * 8
+            lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
+            regs = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
+        for reg in range(4):
+            for half in range(2):
+                r, c = a_fragment_position(lane, reg, half)
+                a[r, c] = regs[reg][half]
+    return a
+
+
 def stage_tile(act: torch.Tensor, step: int, K: int, layout: Layout) -> dict[int, torch.Tensor]:
     """stage_activations for one step, every token in one tile: slot -> the chunk's 8 elements;
     zeros past K, NaN in the rows past M (never staged: whatever they hold must not reach a stored
@@ -221,28 +250,11 @@ def emulate(
             for m0 in range(0, M, 8):
                 acc = torch.zeros(16, 8, dtype=torch.float64)
                 for j in range(layout.mmas):
-                    v, sub = layout.word(j), j % 2  # the word's first or last 4 k
-                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    sub = j % 2  # the word's first or last 4 k
+                    a = a_operand(packed, scales, code, N, K, n0, step, j, layout)
                     b = torch.zeros(16, 8, dtype=torch.float64)
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
-                        k = layout.load_k(step, j, t)
-                        regs_a = [[0.0, 0.0] for _ in range(4)]
-                        if k < K:
-                            decoded = {}
-                            for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
-                                if n < N:
-                                    row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]  # the 16-byte load
-                                    word = int.from_bytes(row[4 * v : 4 * v + 4], "little")
-                                    decoded[which] = layout.decode(word, float(scales[n, k // 32]), code)
-                                else:
-                                    decoded[which] = [0.0] * 8
-                            lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
-                            regs_a = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
-                        for reg in range(4):
-                            for half in range(2):
-                                r, c = a_fragment_position(lane, reg, half)
-                                a[r, c] = regs_a[reg][half]
                         # Activations: token g's chunk of the staged tile, halves .x .y (sub = 0) or .z .w.
                         elems = tile[act_slot(m0 + g, layout.chunk(j, t), layout.step_k // 8)]
                         regs_b = [[elems[4 * sub], elems[4 * sub + 1]], [elems[4 * sub + 2], elems[4 * sub + 3]]]
@@ -280,17 +292,16 @@ def sm90_layout(tokens: int, warps: int) -> dict[str, int]:
     return names
 
 
-def _sm90_expression(pattern: str, names: str) -> Callable[..., int]:
-    """An integer expression of kernels/matmul_4bit_sm90.cu (C's / on ints as Python's //)."""
-    match = re.search(pattern, _SM90)
-    assert match, f"kernels/matmul_4bit_sm90.cu no longer has the expression this reads ({pattern})"
-    return eval(f"lambda {names}: {match.group(1).replace('/', '//')}")  # the repository's own source
-
-
 # store_chunks: where word q of chunk i of thread (x, r) goes, from the kernel's own expressions.
-_STORE_BASE = _sm90_expression(r"unsigned char\* base = stage \+ ([^;]+);", "x, r, SLICE_BYTES, CORE_SBO")
-_STORE_ROW = _sm90_expression(r"unsigned char\* row = base \+ ([^;]+);", "i, ROW_STRIDE, CORE_SBO")
-_STORE_WORD = _sm90_expression(r"\*reinterpret_cast<u32\*>\(row \+ (.+?)\) = w\[q\];", "q, SLICE_BYTES, CORE_LBO")
+_STORE_BASE = _source_expression(
+    "matmul_4bit_sm90.cu", r"unsigned char\* base = stage \+ ([^;]+);", "x, r, SLICE_BYTES, CORE_SBO"
+)
+_STORE_ROW = _source_expression(
+    "matmul_4bit_sm90.cu", r"unsigned char\* row = base \+ ([^;]+);", "i, ROW_STRIDE, CORE_SBO"
+)
+_STORE_WORD = _source_expression(
+    "matmul_4bit_sm90.cu", r"\*reinterpret_cast<u32\*>\(row \+ (.+?)\) = w\[q\];", "q, SLICE_BYTES, CORE_LBO"
+)
 
 
 def sm90_store_address(tid: int, i: int, q: int, lay: dict[str, int]) -> int:
@@ -347,7 +358,7 @@ def emulate_sm90(
                 for j in range(8):
                     a = torch.zeros(64, 16, dtype=torch.float64)
                     for w in range(4):
-                        a[16 * w : 16 * w + 16] = _a_operand(packed, scales, code, N, K, n0 + 16 * w, step, j)
+                        a[16 * w : 16 * w + 16] = a_operand(packed, scales, code, N, K, n0 + 16 * w, step, j, WIDE)
                     acc += a @ sm90_b_operand(stage, j, lay)
             for w, lane in itertools.product(range(4), range(32)):
                 for i in range(tokens // 8):
@@ -357,30 +368,3 @@ def emulate_sm90(
                         if m < M and n < N:
                             out[m, n] = acc[16 * w + r, 8 * i + c]
     return out
-
-
-def _a_operand(packed: bytes, scales, code, N: int, K: int, n0: int, step: int, j: int) -> torch.Tensor:
-    """Operand A (16 features x 16 k) of one warp for slice j, from its lanes as WIDE decodes them."""
-    a = torch.zeros(16, 16, dtype=torch.float64)
-    v, sub = WIDE.word(j), j % 2
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        k = WIDE.load_k(step, j, t)
-        if k >= K:
-            continue
-        decoded = {}
-        for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
-            if n < N:
-                row = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]
-                decoded[which] = WIDE.decode(
-                    int.from_bytes(row[4 * v : 4 * v + 4], "little"), float(scales[n, k // 32]), code
-                )
-            else:
-                decoded[which] = [0.0] * 8
-        lo, hi = decoded["lo"][4 * sub : 4 * sub + 4], decoded["hi"][4 * sub : 4 * sub + 4]
-        regs = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
-        for reg in range(4):
-            for half in range(2):
-                r, c = a_fragment_position(lane, reg, half)
-                a[r, c] = regs[reg][half]
-    return a

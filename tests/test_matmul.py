@@ -232,6 +232,21 @@ def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
     assert harness.matmul_4bit(torch.empty(0, K, dtype=dtype, device=cuda), B.t(), qs).shape == (0, N)
 
 
+def _lane_case(seed: int, M: int, N: int, K: int):
+    """Random nf4 codes packed as bitsandbytes packs them, a scale per 32 k, fp64 activations:
+    (A, packed bytes, scales, code table, the weights W they stand for)."""
+    from harness.correctness.bitcompare import floats_from_bits
+    from harness.correctness.reference import NF4_BITS
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    packed = bytes((codes[:, 0::2] * 16 + codes[:, 1::2]).flatten().tolist())  # element 2i: high nibble
+    scales = torch.rand(N, K // 32, generator=g, dtype=torch.float64) + 0.5
+    code = floats_from_bits(NF4_BITS).double().tolist()
+    W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
+    return torch.randn(M, K, generator=g, dtype=torch.float64), packed, scales, code, W
+
+
 @pytest.mark.parametrize("kernel", ["M8", "WIDE"])
 @pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)])
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
@@ -239,17 +254,9 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     lookups, activation tile (staged, swizzled, NaN in the rows past M), fragment slots and
     epilogue; assembled by the PTX fragment layouts, they must compute A · Wᵀ (K = 224 and 320 end
     in a partial step of either kernel)."""
-    from harness.correctness.bitcompare import floats_from_bits
-    from harness.correctness.reference import NF4_BITS
     from tests import matmul_lanes
 
-    g = torch.Generator().manual_seed(run_seed)
-    codes = torch.randint(0, 16, (N, K), generator=g)
-    packed = bytes((codes[:, 0::2] * 16 + codes[:, 1::2]).flatten().tolist())  # element 2i: high nibble
-    scales = torch.rand(N, K // 32, generator=g, dtype=torch.float64) + 0.5
-    code = floats_from_bits(NF4_BITS).double().tolist()
-    W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
-    A = torch.randn(M, K, generator=g, dtype=torch.float64)
+    A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
     got = matmul_lanes.emulate(A, packed, scales, code, N, K, getattr(matmul_lanes, kernel))
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
@@ -282,17 +289,9 @@ def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, t
     as store_chunks stages them, read back by wgmma's K-major layout with the kernel's strides,
     must compute A · Wᵀ: the staging undoes the k permutation the weights' side keeps (K = 224 and
     320 end in a partial step; M = 70 fills a second 64-token tile partly)."""
-    from harness.correctness.bitcompare import floats_from_bits
-    from harness.correctness.reference import NF4_BITS
     from tests import matmul_lanes
 
-    g = torch.Generator().manual_seed(run_seed)
-    codes = torch.randint(0, 16, (N, K), generator=g)
-    packed = bytes((codes[:, 0::2] * 16 + codes[:, 1::2]).flatten().tolist())
-    scales = torch.rand(N, K // 32, generator=g, dtype=torch.float64) + 0.5
-    code = floats_from_bits(NF4_BITS).double().tolist()
-    W = torch.tensor(code, dtype=torch.float64)[codes] * scales.repeat_interleave(32, dim=1)
-    A = torch.randn(M, K, generator=g, dtype=torch.float64)
+    A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
     got = matmul_lanes.emulate_sm90(A, packed, scales, code, N, K, tokens, matmul_kernel.WARPS[tokens])
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
