@@ -202,8 +202,10 @@ def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
 
 # ---- The fused matmul: the compiled path takes exactly the calls the Python path fuses ----
 
-# What the stand-in plan resolver reports of every variant: blocks an SM holds, SMs; and the crossover.
-BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, 32
+# What the stand-in plan resolver reports of every variant: blocks an SM holds, SMs; and the
+# crossover table: the battery's "crossover" call (3 rows, 96x128) fuses from the second entry on,
+# its "crossover-smaller-weight" one (64x128) is declined by the first.
+BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, ((0, 2), (96 * 128, 32))
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +222,8 @@ def _python_matmul(call: dict, compiled):
     and workspace addresses; None where it does not fuse the call."""
     A, bias, out = call["A"], call["bias"], call["out"]
     fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
-    if not matmul.takes(A, call["W"], fields, bias, call["max_rows"] or CROSSOVER, backend="cpu"):
+    max_rows = call["max_rows"] or matmul.rows_within(CROSSOVER, call["shape"][0] * call["shape"][1])
+    if not matmul.takes(A, call["W"], fields, bias, max_rows, backend="cpu"):
         return None
     nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
     try:
@@ -266,7 +269,8 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
     assert {grid[1] > 1 for _key, grid, *_ in taken} == {True, False}
     assert {key[:3] for key, *_ in taken} >= {(d, q, n) for d in (0, 1) for q in (0, 1) for n in (0, 1)}
     declined = {name for name, launch in launches.items() if launch is None}
-    assert {"over-max-rows", "A-requires-grad", "weight-codes-short", "out-dtype"} <= declined
+    expected = {"over-max-rows", "crossover-smaller-weight", "A-requires-grad", "weight-codes-short", "out-dtype"}
+    assert expected <= declined
     assert "at-max-rows" not in declined and "crossover" not in declined
 
 

@@ -54,12 +54,23 @@ def _judge(name: str, bnb_logits, fused_logits, ref_logits) -> None:
     assert ours.decided > 0 and ours.decided_misses == 0, (name, ours, theirs)
 
 
+def _crossover(cuda) -> int:
+    """The crossover of the small model's projections (by weight size): the fused-call counts
+    below take one for all of them."""
+    d = qlora.SMALL_LLAMA
+    kv = d["hidden_size"] // d["num_attention_heads"] * d["num_key_value_heads"]
+    sizes = (d["hidden_size"] ** 2, d["hidden_size"] * kv, d["hidden_size"] * d["intermediate_size"])
+    rows = {crossover_m(cuda.index, size) for size in sizes}
+    assert len(rows) == 1, f"the projections have different crossovers: {rows}"
+    return rows.pop()
+
+
 # Prefill shapes as shares of the GPU's crossover, so that the fused kernel takes them on every GPU:
-# all of its rows in two sequences, and three quarters of them in one (48 and 64 rows on an H100 or H200).
+# all of its rows in two sequences, and three quarters of them in one (24 and 32 rows on an H100).
 @pytest.mark.parametrize(("batch", "share"), [(1, 0.75), (2, 1.0)], ids=["1xthree-quarters", "2xall"])
 def test_prefill_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, small_model, batch, share):
     model, reference = small_model
-    seq = int(crossover_m(cuda.index) * share) // batch
+    seq = int(_crossover(cuda) * share) // batch
     ids = qlora.random_tokens(model.config.vocab_size, batch, seq, seed=batch)
     expected = dr.prefill_logits(model, ids)
     with harness.bitsandbytes_patched():  # the default mode changes no bit
@@ -81,7 +92,7 @@ def test_decode_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, sm
     with harness.bitsandbytes_patched(matmul=True):
         got = dr.decode_logits(model, ids, prompt)
     # Every decode step (batch rows each), and the prefill where its rows are within the crossover.
-    fused_steps = total - prompt - 1 + (batch * prompt <= crossover_m(cuda.index))
+    fused_steps = total - prompt - 1 + (batch * prompt <= _crossover(cuda))
     assert _fused_calls() - before == 2 * 7 * fused_steps, "every projection of every step ran the fused kernel"
     _judge(f"decode batch {batch}", expected, got, dr.decode_logits(reference, ids, prompt))
 
@@ -97,7 +108,7 @@ def test_greedy_generate_runs_in_matmul_mode(bnb, cuda, small_model):
     with harness.bitsandbytes_patched(matmul=True):
         got = model.generate(ids, **kwargs)
     # 15 decode steps of 4 rows each, and the 32-row prefill where it is within the crossover.
-    assert _fused_calls() - before == 2 * 7 * (15 + (4 * 8 <= crossover_m(cuda.index)))
+    assert _fused_calls() - before == 2 * 7 * (15 + (4 * 8 <= _crossover(cuda)))
     assert got.shape == expected.shape and torch.equal(got[:, :8], ids)
     agreement = (got[:, 8:] == expected[:, 8:]).double().mean().item()
     print(f"\ngreedy generate, batch 4, 16 new tokens: {agreement:.3f} of the tokens equal to bitsandbytes'")
@@ -118,7 +129,7 @@ def test_a_decode_step_captured_as_a_cuda_graph_replays_its_eager_tokens(bnb, cu
         fused = _fused_calls() - before  # the prefill (within the crossover), warm-up steps and capture
         eager = decode.run(graphed=False)
     replayed = decode.run()
-    prefill = ids.numel() <= crossover_m(cuda.index)
+    prefill = ids.numel() <= _crossover(cuda)
     assert fused == (2 * 7 * (prefill + decode.WARMUP_STEPS + 1) if matmul else 0)
     assert torch.equal(replayed, eager), (replayed, eager)
     assert torch.equal(decode.run(5), eager[:, :5])

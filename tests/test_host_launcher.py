@@ -369,7 +369,7 @@ def test_a_refused_matmul_launch_names_the_cuda_error_and_the_context_survives(
         return main, finish, context, 4096, *rest  # more threads per block than any GPU has
 
     A, B, qs, _ = _matmul_case("nf4", torch.bfloat16, True, 1, False, run_seed, cuda)
-    refusing = host_launcher.configure_matmul(module, entry, oversized, crossover=matmul.crossover_m)
+    refusing = host_launcher.configure_matmul(module, entry, oversized, crossover=matmul.crossover_table)
     monkeypatch.setattr(matmul, "_bound", (entry, refusing))
     with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
         matmul.fused_matmul(A, B, qs)

@@ -184,7 +184,7 @@ def test_the_fallback_is_our_dequantization_and_f_linear_bit_for_bit(cuda, run_s
     N, K = 96, 512
     B, qs, W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     g = cases.seeded_generator(run_seed, cuda)
-    big = torch.randn(crossover_m(cuda.index) + 1, K, generator=g, device=cuda).to(dtype)
+    big = torch.randn(crossover_m(cuda.index, N * K) + 1, K, generator=g, device=cuda).to(dtype)
     misaligned = torch.randn(4 * K + 1, generator=g, device=cuda).to(dtype)[1:].view(4, K)
     for name, A in (("above the crossover", big), ("misaligned", misaligned)):
         assert_bit_exact(harness.matmul_4bit(A, B.t(), qs), torch.nn.functional.linear(A, W), name)
@@ -326,7 +326,7 @@ def test_it_traces_in_one_graph_to_the_ops_checks():
 @pytest.mark.parametrize("rows", [1, DEFAULT_CROSSOVER_M, "above the crossover"])
 def test_the_compiled_call_gives_the_eager_bits(cuda, run_seed, rows):
     dtype, N, K = torch.bfloat16, 96, 512
-    M = crossover_m(cuda.index) + 1 if rows == "above the crossover" else rows
+    M = crossover_m(cuda.index, N * K) + 1 if rows == "above the crossover" else rows
     B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)
     bias = torch.randn(N, device=cuda).to(dtype)
@@ -363,23 +363,43 @@ def test_the_matmul_mode_of_the_patch_routes_gemm_4bit_to_the_fused_kernel(cuda,
     assert_bit_exact(trained.detach(), got, "training forward")
 
 
-def test_the_measured_crossover_is_read_off_the_table_as_the_last_m_that_won_everywhere():
-    from harness.perf.bnb_paths import measured_crossover
+def test_the_measured_crossover_is_read_off_the_table_per_weight_as_the_last_m_that_won_throughout():
+    from harness.perf.bnb_paths import MATMUL_SHAPES, crossover_table_of, measured_crossovers
 
     def row(layer, m, fused, linear):
         return {"layer": f"{layer} 1x1", "M": m, "ours fused µs": fused, "ours dequantize + F.linear µs": linear}
 
     rows = [row("gate", 1, 1, 2), row("o", 1, 1, 2), row("gate", 8, 1, 2), row("o", 8, 3, 2), row("gate", 16, 1, 2)]
-    assert measured_crossover(rows) == 1  # o lost at 8: what wins later does not count
-    assert measured_crossover([*rows[:3], row("o", 8, 1, 2), row("k", 8, 9, 2)]) == 8  # k is not judged
-    assert measured_crossover([row("gate", 1, 3, 2)]) == 0
+    assert measured_crossovers(rows) == {"gate": 16, "o": 1}  # o lost at 8: what wins later does not count
+    assert measured_crossovers([row("gate", 1, 3, 2)]) == {"gate": 0}
+    size = {layer: n * k for layer, (n, k) in MATMUL_SHAPES.items()}
+    assert crossover_table_of(rows) == ((0, 1), (size["gate"], 16))  # o is the smaller weight
+    three = [row(layer, m, 1, 2) for layer, m in (("gate", 1), ("gate", 8), ("gate", 16), ("o", 1), ("o", 8))]
+    three += [row("k", 1, 1, 2), row("k", 8, 3, 2)]
+    assert crossover_table_of(three) == ((0, 1), (size["o"], 8), (size["gate"], 16))
+    # A larger weight that wins less caps every smaller one; an entry that repeats is left out.
+    assert crossover_table_of([row("gate", 1, 3, 2), row("o", 1, 1, 2), row("k", 1, 1, 2)]) == ((0, 0),)
+    assert crossover_table_of([row("gate", 1, 1, 2), row("o", 1, 1, 2)]) == ((0, 1),)
 
 
-def test_every_gpus_crossover_is_a_row_count_the_matmul_table_measures():
-    """A crossover is read off `bnb-paths --only matmul` (its last M that won on every judged weight),
-    so it is one of the row counts that table times (above the largest token tile, 64, the grid
-    repeats the tile, and a crossover may lie there)."""
-    from harness.perf.bnb_paths import MATMUL_TOKENS
+def test_every_gpus_crossover_is_a_table_the_matmul_table_measures():
+    """A crossover table is read off `bnb-paths --only matmul` (``crossover_table_of``): it starts
+    at 0, its sizes are those of the weights that table times, in increasing order, and its rows are
+    row counts it times (above the largest token tile, 64, the grid repeats the tile, and a
+    crossover may lie there), growing with the size."""
+    from harness.perf.bnb_paths import MATMUL_SHAPES, MATMUL_TOKENS
     from harness.runtime import matmul
 
-    assert set(matmul.CROSSOVER_M.values()) <= set(MATMUL_TOKENS)
+    sizes = {n * k for n, k in MATMUL_SHAPES.values()}
+    for table in (*matmul.CROSSOVER_M.values(), matmul.DEFAULT_CROSSOVER_M):
+        starts, rows = [size for size, _ in table], [most for _, most in table]
+        assert starts[0] == 0 and set(starts[1:]) <= sizes and starts == sorted(set(starts)), table
+        assert set(rows) <= set(MATMUL_TOKENS) and rows == sorted(set(rows)), table
+
+
+def test_a_weights_crossover_is_its_tables_last_entry_not_larger_than_it():
+    from harness.runtime.matmul import rows_within
+
+    table = ((0, 32), (100, 128))
+    assert [rows_within(table, e) for e in (0, 99, 100, 1 << 40)] == [32, 32, 128, 128]
+    assert rows_within(((0, 16),), 5) == 16

@@ -211,6 +211,9 @@ def matmul_calls(device="cpu") -> Iterator[tuple[str, dict]]:
     yield "out", base | {"out": torch.empty(*A.shape[:-1], N, dtype=dtype, device=device)}
     yield "at-max-rows", base | {"max_rows": 3}
     yield "crossover", base | {"max_rows": None}
+    # The same rows on a smaller weight: where the GPU's crossover steps between their sizes, one
+    # side of the step each.
+    yield "crossover-smaller-weight", make_matmul_call(N=64, device=device, max_rows=None)
     # Left to the fallback (or refused there).
     yield "over-max-rows", base | {"max_rows": 2}
     yield "A-fp32", base | {"A": A.float()}

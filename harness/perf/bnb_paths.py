@@ -260,24 +260,40 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
         del B, qs, W
         torch.cuda.empty_cache()
     rows.append({"layer": f"copy bandwidth {copy_gbps:.0f} GB/s (noise {copy.noise:.4f})"})
-    used = matmul.crossover_m(device.index)
-    rows.append({"layer": f"crossover M measured: {measured_crossover(rows)} (the harness uses {used} on this GPU)"})
+    measured = ", ".join(f"{layer} {m}" for layer, m in measured_crossovers(rows).items())
+    used = matmul.crossover_table(device.index)
+    rows.append(
+        {"layer": f"crossover M measured: {measured}; table {crossover_table_of(rows)} (the harness uses {used})"}
+    )
     return rows
 
 
-CROSSOVER_LAYERS = ("gate", "o")  # the shapes matmul.CROSSOVER_M is measured on
-
-
-def measured_crossover(rows: list[dict]) -> int:
-    """The largest M up to which the fused kernel beat dequantize + F.linear at every measured M
-    on every ``CROSSOVER_LAYERS`` shape (0 where it never did)."""
-    timed = [r for r in rows if "M" in r and r["layer"].split()[0] in CROSSOVER_LAYERS]
-    best = 0
-    for m in sorted({r["M"] for r in timed}):
-        if not all(r["ours fused µs"] < r["ours dequantize + F.linear µs"] for r in timed if r["M"] == m):
-            break
-        best = m
+def measured_crossovers(rows: list[dict]) -> dict[str, int]:
+    """Per weight of the matmul table, the largest M up to which the fused kernel beat
+    dequantize + F.linear at every measured M (0 where it never did)."""
+    best: dict[str, int] = {}
+    for layer in dict.fromkeys(r["layer"].split()[0] for r in rows if "M" in r):
+        best[layer] = 0
+        for r in sorted((r for r in rows if "M" in r and r["layer"].split()[0] == layer), key=lambda r: r["M"]):
+            if r["ours fused µs"] >= r["ours dequantize + F.linear µs"]:
+                break
+            best[layer] = r["M"]
     return best
+
+
+def crossover_table_of(rows: list[dict]) -> tuple[tuple[int, int], ...]:
+    """The crossover table (``matmul.CROSSOVER_M``'s form) the matmul table measures: from each
+    measured weight's size up, the smallest crossover of it and every larger weight, the smallest
+    weight's from 0 (a weight between two measured ones takes the smaller one's entry); an entry
+    that repeats the one before is left out."""
+    crossovers = measured_crossovers(rows)
+    by_size = sorted(crossovers, key=lambda layer: MATMUL_SHAPES[layer][0] * MATMUL_SHAPES[layer][1])
+    table: list[tuple[int, int]] = []
+    for i, layer in enumerate(by_size):
+        most = min(crossovers[larger] for larger in by_size[i:])
+        if not table or table[-1][1] != most:
+            table.append((MATMUL_SHAPES[layer][0] * MATMUL_SHAPES[layer][1] if table else 0, most))
+    return tuple(table)
 
 
 @contextlib.contextmanager

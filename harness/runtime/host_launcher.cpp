@@ -427,7 +427,7 @@ PyMethodDef dequantize_def = {
 // A call is taken only where matmul.try_fused would run the fused kernel with these tensors as
 // they are: the weight obeys the dequantization call's rules (check_call above, the same tables),
 // the activations, bias and out are as the kernel reads them, no gradient is needed and the rows
-// are within max_rows (None: the GPU's crossover). The token tile, plan and grid come from Python
+// are within max_rows (None: the GPU's crossover for the weight's size). The token tile, plan and grid come from Python
 // (matmul_kernel.host_plan and host_grid), so each rule about them is stated there once.
 
 constexpr const char* kMatmulArgs[] = {"A",     "W",   "absmax", "code2",     "absmax2",    "offset",    "bias",
@@ -444,6 +444,13 @@ struct MatmulPlan {
   int64_t main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
 };
 
+// A GPU's crossover (matmul.crossover_table): (weight elements from which it holds, most rows), by
+// increasing size, read once.
+struct CrossoverTable {
+  std::atomic<bool> ready{false};
+  std::vector<std::pair<int64_t, int64_t>> steps;
+};
+
 struct MatmulConfig {
   PyObject* dequantize = nullptr;  // the dequantization entry point: owns the Config reused here
   Config* config = nullptr;
@@ -451,12 +458,12 @@ struct MatmulConfig {
                                      //  main threads, finish threads, blocks per SM, SMs); indices but device
   PyObject* grid_of = nullptr;       // (M, N, K, tokens, blocks per SM, SMs) -> (gx, gy, gz, steps per split,
                                      //  finish blocks)
-  PyObject* crossover = nullptr;     // (device) -> the most rows the fused kernel takes on that GPU
+  PyObject* crossover = nullptr;     // (device) -> that GPU's CrossoverTable as ((elements, rows), ...)
   std::vector<PyObject*> dtypes;     // A's dtypes, in the variants' order
   std::vector<int64_t> token_tiles;
   int64_t k_multiple = 1, align = 1;
   std::unique_ptr<MatmulPlan[]> plans;
-  std::unique_ptr<std::atomic<int64_t>[]> crossovers;  // per GPU, -1 until asked
+  std::unique_ptr<CrossoverTable[]> crossovers;  // per GPU
 
   ~MatmulConfig() {
     for (PyObject* o : {dequantize, resolve_plan, grid_of, crossover}) Py_XDECREF(o);
@@ -511,16 +518,37 @@ const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int ne
   return &plan;
 }
 
-int64_t crossover_of(MatmulConfig* mc, int64_t device) {
-  std::atomic<int64_t>& known = mc->crossovers[static_cast<size_t>(std::max<int64_t>(device, 0))];
-  int64_t rows = known.load(std::memory_order_acquire);
-  if (rows >= 0) return rows;
-  PyObject* r = PyObject_CallFunction(mc->crossover, "L", static_cast<long long>(device));
-  if (r == nullptr) throw python_error();
-  rows = PyLong_AsLongLong(r);
-  Py_DECREF(r);
-  if (rows == -1 && PyErr_Occurred()) throw python_error();
-  known.store(std::max<int64_t>(rows, 0), std::memory_order_release);
+// The most rows fused on this GPU for a weight of `elements` elements: the rows of the table's last
+// entry whose size is at most that (matmul.rows_within).
+int64_t crossover_of(MatmulConfig* mc, int64_t device, int64_t elements) {
+  CrossoverTable& table = mc->crossovers[static_cast<size_t>(std::max<int64_t>(device, 0))];
+  if (!table.ready.load(std::memory_order_acquire)) {
+    PyObject* r = PyObject_CallFunction(mc->crossover, "L", static_cast<long long>(device));
+    if (r == nullptr) throw python_error();
+    PyObject* seq = PySequence_Fast(r, "matmul crossover must return a sequence of (elements, rows) pairs");
+    Py_DECREF(r);
+    if (seq == nullptr) throw python_error();
+    std::vector<std::pair<int64_t, int64_t>> steps;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      long long size = 0, rows = 0;
+      if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LL", &size, &rows)) {
+        Py_DECREF(seq);
+        throw python_error();
+      }
+      steps.emplace_back(size, rows);
+    }
+    Py_DECREF(seq);
+    std::lock_guard<std::mutex> guard(mc->config->mutex);
+    if (!table.ready.load(std::memory_order_relaxed)) {
+      table.steps = std::move(steps);
+      table.ready.store(true, std::memory_order_release);
+    }
+  }
+  int64_t rows = 0;
+  for (const auto& [size, most] : table.steps) {
+    if (size > elements) break;
+    rows = most;
+  }
   return rows;
 }
 
@@ -574,7 +602,7 @@ bool prepare_matmul(MatmulConfig* mc, PyObject* const* args, Py_ssize_t nargs, M
   ML->M = A.numel() / ML->K;
   int64_t max_rows = 0;
   if (args[12] == Py_None) {
-    max_rows = crossover_of(mc, W.device);
+    max_rows = crossover_of(mc, W.device, ML->N * ML->K);
   } else if (!exact_int(args[12], &max_rows)) {
     return false;
   }
@@ -780,8 +808,7 @@ PyObject* configure_matmul(PyObject* /*module*/, PyObject* args) {
   const size_t slots = static_cast<size_t>(std::max(next->config->devices, 1));
   next->plans.reset(new MatmulPlan[slots * next->dtypes.size() * next->config->quant_types.size() * 2 *
                                    next->token_tiles.size()]);
-  next->crossovers.reset(new std::atomic<int64_t>[slots]);
-  for (size_t i = 0; i < slots; ++i) next->crossovers[i].store(-1);
+  next->crossovers.reset(new CrossoverTable[slots]);
   PyObject* capsule = PyCapsule_New(next.get(), kMatmulCapsule, free_matmul_config);
   if (capsule == nullptr) return nullptr;
   next.release();

@@ -221,9 +221,9 @@ MATMUL_ARGS = (
 def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover):
     """The module's fused-matmul entry point beside a ``configure``d dequantize entry, whose driver
     entry points, stream lookup and weight rules it shares: the plans, grids, dtypes, token tiles
-    and shape rules come from ``matmul_kernel``; ``crossover(device index)`` gives the most rows
-    it fuses on a GPU where the caller names none. Tests replace the plan resolver where there is
-    no GPU."""
+    and shape rules come from ``matmul_kernel``; ``crossover(device index)`` gives a GPU's crossover
+    table (``matmul.crossover_table``), read once: the most rows it fuses by weight size where the
+    caller names none. Tests replace the plan resolver where there is no GPU."""
     from harness.runtime import matmul_kernel
     from harness.runtime.api import DTYPES
 

@@ -1,7 +1,7 @@
 """Drop-in ``matmul_4bit`` with bitsandbytes 0.50.2's signature and semantics: ``A [..., K] ·
 dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there, ``[K, N]``).
 
-Inference calls with few rows (``crossover_m``, measured per GPU) run the fused kernel
+Inference calls with few rows (``crossover_m``, measured per GPU and weight size) run the fused kernel
 (``matmul_kernel``), which reads the packed weights once and never writes them out; everything
 else, and every call that needs gradients, runs our dequantization kernel and ``F.linear``, as
 bitsandbytes' own fallback does. A fused call goes to the compiled host path first
@@ -23,17 +23,18 @@ import torch
 from harness.errors import DequantizeInputError
 from harness.runtime import api, host_launcher, launcher, matmul_kernel
 
-# Rows up to which the fused kernel runs, per GPU model; above, dequantize + F.linear. Each is the
-# largest M at which the fused kernel beat dequantize + F.linear on the 28672x8192 and 8192x8192
-# shapes in the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU,
-# which prints the value it measured, in every run (the H100 64 and the H200 64: kernels/NOTES.md,
-# "Activations in shared memory"). With the Hopper kernel the H100's table measures 128, but the
-# small 1024x8192 weight is 1.9x slower fused at 128 rows than dequantized (few blocks): one
-# crossover for every weight keeps 64 until it can depend on the weight ("Warpgroup mma on Hopper").
-CROSSOVER_M = {"NVIDIA H100 80GB HBM3": 64, "NVIDIA H200": 64}
+# Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
+# from which it holds, rows) by increasing size, the first from 0; above, dequantize + F.linear.
+# Each is read off the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU
+# (``bnb_paths.crossover_table_of``, printed in every run): per measured weight the largest M at
+# which the fused kernel beat dequantize + F.linear at every M up to it, a weight taking the
+# smallest of its own and every larger one's. On the H100 the 28672x8192 and 8192x8192 weights win
+# up to 128 rows and the 1024x8192 one up to 32 (its grid is thin: kernels/NOTES.md, "A crossover
+# per weight size"); the H200's 64 was measured for every weight with the mma.sync kernels.
+CROSSOVER_M = {"NVIDIA H100 80GB HBM3": ((0, 32), (8192 * 8192, 128)), "NVIDIA H200": ((0, 64),)}
 # A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
 # weights once and dequantize + F.linear reads and writes them twice more.
-DEFAULT_CROSSOVER_M = 16
+DEFAULT_CROSSOVER_M = ((0, 16),)
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _is_compiling = torch.compiler.is_compiling
 
@@ -104,9 +105,25 @@ def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 @functools.cache
-def crossover_m(device_index: int) -> int:
-    """The most rows the fused kernel takes on this GPU (``CROSSOVER_M``)."""
+def crossover_table(device_index: int) -> tuple[tuple[int, int], ...]:
+    """This GPU's crossover by weight size (``CROSSOVER_M``): what the compiled path reads once."""
     return CROSSOVER_M.get(torch.cuda.get_device_name(device_index), DEFAULT_CROSSOVER_M)
+
+
+def rows_within(table: tuple[tuple[int, int], ...], elements: int) -> int:
+    """The rows of ``table``'s last entry whose weight size is at most ``elements``."""
+    rows = 0
+    for size, most in table:
+        if size > elements:
+            break
+        rows = most
+    return rows
+
+
+def crossover_m(device_index: int, elements: int = 0) -> int:
+    """The most rows the fused kernel takes on this GPU for a weight of ``elements`` (N * K)
+    elements; 0: the smallest weights'."""
+    return rows_within(crossover_table(device_index), elements)
 
 
 # max_rows for a call the fused kernel takes at any number of rows.
@@ -147,7 +164,7 @@ def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: 
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
         return False
     N, K = shape[0], shape[1]
-    if A.device.type != backend or A.numel() // K > (max_rows or crossover_m(A.device.index)):
+    if A.device.type != backend or A.numel() // K > (max_rows or crossover_m(A.device.index, N * K)):
         return False
     return (
         A.dtype in _NAMES
@@ -241,7 +258,7 @@ def _host_entry():
         with _bind_lock:
             beside, entry = _bound
             if beside is not dequantize:
-                entry = host_launcher.bind_matmul(dequantize, crossover_m)
+                entry = host_launcher.bind_matmul(dequantize, crossover_table)
                 _bound = (dequantize, entry)
     return entry
 
