@@ -75,8 +75,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
             u32 a[2][4];  // operand A of mma 2q + h: bytes 2(2q + h), 2(2q + h) + 1 of the lane's 16
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const u32 lo_pair = (lo[q] >> (16 * h)) & 0xffffu, hi_pair = (hi[q] >> (16 * h)) & 0xffffu;
-                decode_frag(a[h], lo_pair, hi_pair, s_lo, s_hi, s_code);
+                decode_frag(a[h], lo[q], hi[q], h, s_lo, s_hi, s_code);
             }
             // One token tile's activations at a time: few registers live, so 8 warps fit 128 a thread.
 #pragma unroll

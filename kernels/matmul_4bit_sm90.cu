@@ -193,8 +193,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
 #pragma unroll
             for (int s = 0; s < GROUP; ++s) {
                 const int j = GROUP * p + s, q = j >> 1, h = j & 1;  // slice j: bytes 2j, 2j + 1 (word q, half h)
-                decode_frag(a[GROUP * (p & 1) + s], (lo[q] >> (16 * h)) & 0xffffu, (hi[q] >> (16 * h)) & 0xffffu,
-                            s_lo, s_hi, s_code);
+                decode_frag(a[GROUP * (p & 1) + s], lo[q], hi[q], h, s_lo, s_hi, s_code);
             }
             wgmma_fence();  // the decoded registers before the wgmmas that read them
 #pragma unroll

@@ -10,15 +10,39 @@
 #error "matmul_4bit_step128.cuh is the 128-k step: define STEP_K 128 before including it"
 #endif
 
-// Operand-A registers of mma j from two packed bytes of feature g (lo) and g + 8 (hi):
-// a[0] = (g, k+0 | k+1), a[1] = (g+8, k+0 | k+1), a[2] = (g, k+2 | k+3), a[3] = (g+8, k+2 | k+3).
-// Byte 2j holds k+0 (high nibble) and k+1, byte 2j+1 holds k+2 and k+3.
-__device__ __forceinline__ void decode_frag(u32 a[4], u32 lo_pair, u32 hi_pair, float s_lo, float s_hi,
+// Byte offsets into the fp32 code table of the eight codes of a 32-bit word of packed codes:
+// `high` byte b is 4 * (byte b's high nibble), `low` byte b 4 * (its low nibble). Two shifts and two
+// masks a word, then one instruction a code to take its byte (decode_frag), where shifting and
+// masking each code took two.
+struct CodeOffsets {
+    u32 high, low;
+};
+
+__device__ __forceinline__ CodeOffsets code_offsets(u32 word) {
+    return {(word >> 2) & 0x3c3c3c3cu, (word << 2) & 0x3c3c3c3cu};
+}
+
+// Byte b of x, zero-extended (b known at compile time: one instruction).
+__device__ __forceinline__ u32 byte_of(u32 x, int b) { return __byte_perm(x, 0u, 0x4440u + b); }
+
+__device__ __forceinline__ float code_at(const float* code, u32 offset) {
+    return *reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(code) + offset);
+}
+
+// Operand-A registers of mma j from half h (bytes 2h, 2h + 1) of a word of packed codes of
+// feature g (lo) and of g + 8 (hi): a[0] = (g, k+0 | k+1), a[1] = (g+8, k+0 | k+1),
+// a[2] = (g, k+2 | k+3), a[3] = (g+8, k+2 | k+3). Byte 2h holds k+0 (high nibble) and k+1, byte
+// 2h+1 holds k+2 and k+3.
+__device__ __forceinline__ void decode_frag(u32 a[4], u32 lo_word, u32 hi_word, int h, float s_lo, float s_hi,
                                             const float* code) {
-    a[0] = pack2(mul_ftz(code[(lo_pair >> 4) & 0xfu], s_lo), mul_ftz(code[lo_pair & 0xfu], s_lo));
-    a[2] = pack2(mul_ftz(code[(lo_pair >> 12) & 0xfu], s_lo), mul_ftz(code[(lo_pair >> 8) & 0xfu], s_lo));
-    a[1] = pack2(mul_ftz(code[(hi_pair >> 4) & 0xfu], s_hi), mul_ftz(code[hi_pair & 0xfu], s_hi));
-    a[3] = pack2(mul_ftz(code[(hi_pair >> 12) & 0xfu], s_hi), mul_ftz(code[(hi_pair >> 8) & 0xfu], s_hi));
+    const CodeOffsets lo = code_offsets(lo_word), hi = code_offsets(hi_word);
+    const int b = 2 * h;
+    a[0] = pack2(mul_ftz(code_at(code, byte_of(lo.high, b)), s_lo), mul_ftz(code_at(code, byte_of(lo.low, b)), s_lo));
+    a[2] = pack2(mul_ftz(code_at(code, byte_of(lo.high, b + 1)), s_lo),
+                 mul_ftz(code_at(code, byte_of(lo.low, b + 1)), s_lo));
+    a[1] = pack2(mul_ftz(code_at(code, byte_of(hi.high, b)), s_hi), mul_ftz(code_at(code, byte_of(hi.low, b)), s_hi));
+    a[3] = pack2(mul_ftz(code_at(code, byte_of(hi.high, b + 1)), s_hi),
+                 mul_ftz(code_at(code, byte_of(hi.low, b + 1)), s_hi));
 }
 
 // Weights are read once: streaming loads. Activations are read by every warp: read-only cache.
