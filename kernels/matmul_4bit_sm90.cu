@@ -178,7 +178,9 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
             store_chunks(s_act[stage ^ 1], act);
             if (step + 2 < last) load_chunks(act, A, m0, rows, (step + 2) * STEP_K, K);
         }
-        const unsigned char* tile = s_act[stage];
+        // Slice j's descriptor is the tile's plus j * SLICE_BYTES in the address field (in 16-byte
+        // units, and no carry: shared addresses stay below 2^18): one add a wgmma, not five.
+        const unsigned long long tile = smem_desc(s_act[stage]);
         const int k = step * STEP_K + 32 * t;
         const bool k_ok = k < K;
         const float s_lo = scale_of(cur.p_lo, k_ok && n_lo < N, s_code2, offset);
@@ -198,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
             wgmma_fence();  // the decoded registers before the wgmmas that read them
 #pragma unroll
             for (int s = 0; s < GROUP; ++s)
-                wgmma(acc, a[GROUP * (p & 1) + s], smem_desc(tile + (GROUP * p + s) * SLICE_BYTES));
+                wgmma(acc, a[GROUP * (p & 1) + s], tile + (GROUP * p + s) * SLICE_BYTES / 16);
             wgmma_commit();
             wgmma_wait<1>();  // group p - 1 done: its registers are free for group p + 1
         }
