@@ -134,10 +134,16 @@ class Grid:
 
 
 # Partial sums of all splits together at most this share of the packed weights' bytes: a split's
-# slice is written and read back once, so more splits only pay while the weights dominate.
-PARTIAL_SHARE = 0.25
+# slice is written and read back once, so more splits only pay while the weights dominate. A quarter
+# left the 1024x8192 weight 2 splits at 128 rows (16 blocks on 132 SMs): 46 us; with as many bytes
+# as the weights, 8 splits take 20.5 (H100, kernels/NOTES.md, "Splits for the small weights").
+PARTIAL_SHARE = 1.0
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
+# A split runs at least this many steps: its first loads (a memory latency before any decode)
+# are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 us at one row, of 4
+# 13.4 (same notes).
+MIN_SPLIT_STEPS = 4
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
 
@@ -150,8 +156,9 @@ def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
 # Every fused call asks for its grid: a pure function of a few ints, searched once per shape.
 @functools.lru_cache(maxsize=4096)
 def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> Grid:
-    """How K is split, as far as the partial sums stay a small share of the weights' traffic,
-    every split has at least one step and there are at most ``MAX_SPLITS``.
+    """How K is split, as far as the partial sums stay within ``PARTIAL_SHARE`` of the weights'
+    bytes, a split runs at least ``MIN_SPLIT_STEPS`` steps (the last may run fewer) and there are at
+    most ``MAX_SPLITS``.
 
     The 8-token kernel's decode keeps every SM's integer pipe busy, so its launch lasts as long as
     its busiest SM: K is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds
@@ -163,7 +170,7 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
     more splits cost them partial sums M times larger: they take as many splits as fit beside each
     other in one wave (a grid just over one wave would run its few extra blocks as a second wave)."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), -(-K // step_k(tokens))
-    cap = max(1, min(steps, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
+    cap = max(1, min(steps // MIN_SPLIT_STEPS, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
 
     def shape(splits: int) -> tuple[int, int]:  # (splits without an empty one, steps per split)
