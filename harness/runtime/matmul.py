@@ -28,10 +28,9 @@ from harness.runtime import api, host_launcher, launcher, matmul_kernel
 # Each is read off the matmul table of `python -m harness.perf.bnb_paths --only matmul` on that GPU
 # (``bnb_paths.crossover_table_of``, printed in every run): per measured weight the largest M at
 # which the fused kernel beat dequantize + F.linear at every M up to it, a weight taking the
-# smallest of its own and every larger one's. On the H100 the 28672x8192, 8192x8192 and 1024x8192
-# weights all win up to 128 rows (kernels/NOTES.md, "Splits for the small weights"); the H200's 64
-# was measured for every weight with the mma.sync kernels.
-CROSSOVER_M = {"NVIDIA H100 80GB HBM3": ((0, 128),), "NVIDIA H200": ((0, 64),)}
+# smallest of its own and every larger one's. On the H100 and the H200 the 28672x8192, 8192x8192
+# and 1024x8192 weights all win up to 128 rows (kernels/NOTES.md, "Splits for the small weights").
+CROSSOVER_M = {"NVIDIA H100 80GB HBM3": ((0, 128),), "NVIDIA H200": ((0, 128),)}
 # A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
 # weights once and dequantize + F.linear reads and writes them twice more.
 DEFAULT_CROSSOVER_M = ((0, 16),)
