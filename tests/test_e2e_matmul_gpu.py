@@ -66,7 +66,7 @@ def _crossover(cuda) -> int:
 
 
 # Prefill shapes as shares of the GPU's crossover, so that the fused kernel takes them on every GPU:
-# all of its rows in two sequences, and three quarters of them in one (24 and 32 rows on an H100).
+# all of its rows in two sequences, and three quarters of them in one (96 and 128 rows on an H100 or H200).
 @pytest.mark.parametrize(("batch", "share"), [(1, 0.75), (2, 1.0)], ids=["1xthree-quarters", "2xall"])
 def test_prefill_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, small_model, batch, share):
     model, reference = small_model

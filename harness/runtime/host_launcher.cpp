@@ -427,8 +427,9 @@ PyMethodDef dequantize_def = {
 // A call is taken only where matmul.try_fused would run the fused kernel with these tensors as
 // they are: the weight obeys the dequantization call's rules (check_call above, the same tables),
 // the activations, bias and out are as the kernel reads them, no gradient is needed and the rows
-// are within max_rows (None: the GPU's crossover for the weight's size). The token tile, plan and grid come from Python
-// (matmul_kernel.host_plan and host_grid), so each rule about them is stated there once.
+// are within max_rows (None: the GPU's crossover for the weight's size). The token tile, plan and
+// grid come from Python (matmul_kernel.host_plan and host_grid), so each rule about them is stated
+// there once.
 
 constexpr const char* kMatmulArgs[] = {"A",     "W",   "absmax", "code2",     "absmax2",    "offset",    "bias",
                                        "out",   "shape", "blocksize", "blocksize2", "quant_type", "max_rows"};

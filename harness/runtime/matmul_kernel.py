@@ -135,13 +135,13 @@ class Grid:
 
 # Partial sums of all splits together at most this share of the packed weights' bytes: a split's
 # slice is written and read back once, so more splits only pay while the weights dominate. A quarter
-# left the 1024x8192 weight 2 splits at 128 rows (16 blocks on 132 SMs): 46 us; with as many bytes
+# left the 1024x8192 weight 2 splits at 128 rows (16 blocks on 132 SMs): 46 µs; with as many bytes
 # as the weights, 8 splits take 20.5 (H100, kernels/NOTES.md, "Splits for the small weights").
 PARTIAL_SHARE = 1.0
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
-# are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 us at one row, of 4
+# are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes).
 MIN_SPLIT_STEPS = 4
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
