@@ -54,14 +54,14 @@ def _judge(name: str, bnb_logits, fused_logits, ref_logits) -> None:
     assert ours.decided > 0 and ours.decided_misses == 0, (name, ours, theirs)
 
 
-def _crossover(cuda) -> int:
-    """The crossover of the small model's projections (by weight size): the fused-call counts
+def _crossover(cuda, model) -> int:
+    """The crossover of the model's 4-bit projections (by weight size): the fused-call counts
     below take one for all of them."""
-    d = qlora.SMALL_LLAMA
-    kv = d["hidden_size"] // d["num_attention_heads"] * d["num_key_value_heads"]
-    sizes = (d["hidden_size"] ** 2, d["hidden_size"] * kv, d["hidden_size"] * d["intermediate_size"])
+    import bitsandbytes
+
+    sizes = {m.weight.quant_state.shape.numel() for m in model.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)}
     rows = {crossover_m(cuda.index, size) for size in sizes}
-    assert len(rows) == 1, f"the projections have different crossovers: {rows}"
+    assert sizes and len(rows) == 1, f"the projections have different crossovers: {rows}"
     return rows.pop()
 
 
@@ -70,7 +70,7 @@ def _crossover(cuda) -> int:
 @pytest.mark.parametrize(("batch", "share"), [(1, 0.75), (2, 1.0)], ids=["1xthree-quarters", "2xall"])
 def test_prefill_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, small_model, batch, share):
     model, reference = small_model
-    seq = int(_crossover(cuda) * share) // batch
+    seq = int(_crossover(cuda, model) * share) // batch
     ids = qlora.random_tokens(model.config.vocab_size, batch, seq, seed=batch)
     expected = dr.prefill_logits(model, ids)
     with harness.bitsandbytes_patched():  # the default mode changes no bit
@@ -92,7 +92,7 @@ def test_decode_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cuda, sm
     with harness.bitsandbytes_patched(matmul=True):
         got = dr.decode_logits(model, ids, prompt)
     # Every decode step (batch rows each), and the prefill where its rows are within the crossover.
-    fused_steps = total - prompt - 1 + (batch * prompt <= _crossover(cuda))
+    fused_steps = total - prompt - 1 + (batch * prompt <= _crossover(cuda, model))
     assert _fused_calls() - before == 2 * 7 * fused_steps, "every projection of every step ran the fused kernel"
     _judge(f"decode batch {batch}", expected, got, dr.decode_logits(reference, ids, prompt))
 
@@ -108,7 +108,7 @@ def test_greedy_generate_runs_in_matmul_mode(bnb, cuda, small_model):
     with harness.bitsandbytes_patched(matmul=True):
         got = model.generate(ids, **kwargs)
     # 15 decode steps of 4 rows each, and the 32-row prefill where it is within the crossover.
-    assert _fused_calls() - before == 2 * 7 * (15 + (4 * 8 <= _crossover(cuda)))
+    assert _fused_calls() - before == 2 * 7 * (15 + (4 * 8 <= _crossover(cuda, model)))
     assert got.shape == expected.shape and torch.equal(got[:, :8], ids)
     agreement = (got[:, 8:] == expected[:, 8:]).double().mean().item()
     print(f"\ngreedy generate, batch 4, 16 new tokens: {agreement:.3f} of the tokens equal to bitsandbytes'")
@@ -129,7 +129,7 @@ def test_a_decode_step_captured_as_a_cuda_graph_replays_its_eager_tokens(bnb, cu
         fused = _fused_calls() - before  # the prefill (within the crossover), warm-up steps and capture
         eager = decode.run(graphed=False)
     replayed = decode.run()
-    prefill = ids.numel() <= _crossover(cuda)
+    prefill = ids.numel() <= _crossover(cuda, model)
     assert fused == (2 * 7 * (prefill + decode.WARMUP_STEPS + 1) if matmul else 0)
     assert torch.equal(replayed, eager), (replayed, eager)
     assert torch.equal(decode.run(5), eager[:, :5])

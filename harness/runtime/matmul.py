@@ -119,9 +119,8 @@ def rows_within(table: tuple[tuple[int, int], ...], elements: int) -> int:
     return rows
 
 
-def crossover_m(device_index: int, elements: int = 0) -> int:
-    """The most rows the fused kernel takes on this GPU for a weight of ``elements`` (N * K)
-    elements; 0: the smallest weights'."""
+def crossover_m(device_index: int, elements: int) -> int:
+    """The most rows the fused kernel takes on this GPU for a weight of ``elements`` (N * K) elements."""
     return rows_within(crossover_table(device_index), elements)
 
 
