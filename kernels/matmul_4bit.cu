@@ -25,6 +25,26 @@
 #error "matmul_4bit.cu takes MM_TOKENS 16, 32 or 64 (8: matmul_4bit_m8.cu)"
 #endif
 
+// Chunk c of token row r sits in slot act_slot(r, c): the XOR puts the 8 lanes of a quarter warp
+// (two rows, four lanes each reading chunk 4t + q) into 8 different 16-byte bank groups when they
+// read, and into 8 when they write 8 chunks of a row.
+__device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
+    return row * row_chunks + (c ^ ((c >> 3) << 1) ^ (row & 1));
+}
+
+#define ACT_TILE_SLOTS (MM_TOKENS * ACT_ROW_CHUNKS)  // slots of one stage
+
+// Stage k0 .. k0 + STEP_K of the tile's first `rows` tokens as one cp.async group.
+__device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __restrict__ A, i64 m0, int rows, int k0,
+                                                  int K) {
+    for (int e = threadIdx.x; e < rows * ACT_ROW_CHUNKS; e += MM_WARPS * 32) {
+        const int r = e / ACT_ROW_CHUNKS, c = e % ACT_ROW_CHUNKS, k = k0 + 8 * c;
+        const bool ok = k < K;
+        cp_async16(tile + act_slot(r, c, ACT_ROW_CHUNKS), ok ? A + (m0 + r) * K + k : A, ok);
+    }
+    cp_async_commit();
+}
+
 // Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 128 k),
 // z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
 // split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
@@ -32,7 +52,7 @@
 // bits on every run, whatever order the blocks ran in.
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
-    __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
+    __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
     MM_SCALES_PROLOGUE;
     if (threadIdx.x == 0) stage_code_table(s_code);
 
@@ -50,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
 
     // Software-pipelined: the next step's weights (registers) and activations (the other stage of
     // the shared tile) are in flight while this one decodes.
-    if (first < last) stage_activations(s_act[0], A, m0, rows, ACT_ROW_CHUNKS, first * STEP_K, K);
+    if (first < last) stage_activations(s_act[0], A, m0, rows, first * STEP_K, K);
     StepWeights cur;
     load_step(cur, first < last ? first : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2, bs2_log2);
     for (int step = first; step < last; ++step) {
@@ -63,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         // warp done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
         if (step + 1 < last)
-            stage_activations(s_act[stage ^ 1], A, m0, rows, ACT_ROW_CHUNKS, (step + 1) * STEP_K, K);
+            stage_activations(s_act[stage ^ 1], A, m0, rows, (step + 1) * STEP_K, K);
         const uint4* tile = s_act[stage];
         const int k = step * STEP_K + 32 * t;  // this lane's first k
         const bool k_ok = k < K;               // K % 32 == 0: a lane's 32 k are all in or all out

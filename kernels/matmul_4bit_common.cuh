@@ -69,15 +69,13 @@ __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) 
 // by every warp of it: read straight from global memory, the four lanes of a token row hit four
 // 16-byte pieces at a lane's stride, so one warp-wide load touched 16-32 cache lines, and each warp
 // read the same bytes again (NOTES, "Activations in shared memory"). A tile is MM_TOKENS rows of
-// `row_chunks` 16-byte chunks (8 k each); chunk c of row r sits in slot act_slot(r, c): the XOR puts
-// the 8 lanes of a quarter warp (two rows, four lanes each reading chunk c = lane_chunks * t + j)
-// into 8 different 16-byte bank groups when they read, and into 8 when they write 8 chunks of a row.
+// ACT_ROW_CHUNKS 16-byte chunks (8 k each); each mma.sync kernel places them by its own act_slot,
+// which keeps the 8 lanes of a quarter warp in 8 different 16-byte bank groups, and stages them by
+// its own stage_activations: chunks past K as zeros (a zero weight times them stays zero, never
+// NaN; K % 32 == 0, so a chunk's 8 k are all in or all out), rows past M not at all (whatever they
+// hold only reaches outputs that are never stored).
 #define ACT_ROW_CHUNKS (STEP_K / 8)  // a token's 16-byte chunks in one step (STEP_K: the kernel's)
 #define ACT_STAGES 2                 // tiles in flight: the step computed and the next one
-
-__device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
-    return row * row_chunks + (c ^ ((c >> 3) << 1) ^ (row & 1));
-}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -89,19 +87,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Stage k0 .. k0 + 8 * row_chunks of the tile's first `rows` tokens (the ones inside M) as one
-// cp.async group; chunks past K are zeros (a zero weight times them stays zero, never NaN). Rows
-// past M are not staged: whatever they hold only reaches outputs that are never stored.
-__device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __restrict__ A, i64 m0, int rows,
-                                                  int row_chunks, int k0, int K) {
-    for (int e = threadIdx.x; e < rows * row_chunks; e += MM_WARPS * 32) {
-        const int r = e / row_chunks, c = e % row_chunks, k = k0 + 8 * c;
-        const bool ok = k < K;  // K % 32 == 0: a chunk's 8 k are all in or all out
-        cp_async16(tile + act_slot(r, c, row_chunks), ok ? A + (m0 + r) * K + k : A, ok);
-    }
-    cp_async_commit();
 }
 
 // The main kernel's parameters, one list for every fused kernel (harness/runtime/matmul_kernel.py's

@@ -24,12 +24,12 @@
 // looks up 4 codes at once: two permutes per 8-byte half-table and one to pick the half by each
 // code's top bit, for the low and the high bytes, then two to pair the bytes into operand
 // registers: 2 prmt and about 0.6 other integer instructions per weight.
+#define STEP_K 256  // k one warp covers per step: 64 per lane
 #include "matmul_4bit_common.cuh"
 
 #if MM_TOKENS != 8
 #error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
 #endif
-#define STEP_K 256  // k one warp covers per step: 64 per lane
 // 128 registers a thread: 4 blocks an SM.
 #define MIN_BLOCKS 4
 
@@ -125,14 +125,41 @@ __device__ __forceinline__ void load_step(StepWeights<kOneBlock>& w, int step, c
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int k = min(step * STEP_K + ln.k + 32 * h, K - 32);
-        w.lo[h] = load_weights(ln.w_lo + k / 2);
-        w.hi[h] = load_weights(ln.w_hi + k / 2);
+        const u32 byte = static_cast<u32>(k) >> 1;  // k >= 0: a shift, not a signed division
+        w.lo[h] = load_weights(ln.w_lo + byte);
+        w.hi[h] = load_weights(ln.w_hi + byte);
         // 32 k never straddle a scale block: 32-aligned, and block sizes are >= 32.
         if (h == 0 || !kOneBlock) {
             w.p_lo[h] = load_scale(ln.e_lo + k, true, absmax, absmax2, bs_log2, bs2_log2);
             w.p_hi[h] = load_scale(ln.e_hi + k, true, absmax, absmax2, bs_log2, bs2_log2);
         }
     }
+}
+
+// Chunk c of token row r sits in slot act_slot(r, c): rows of 32 chunks with one slot of padding
+// after every 8, so a lane's reads (chunk 8t + j of rows g and g + 1: slots 36g + 9t + j, 8
+// different 16-byte bank groups a quarter warp) are its own base plus offsets known at compile
+// time, where an XOR swizzle cost some 30 integer instructions a step (NOTES).
+__device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
+    return row * (row_chunks + row_chunks / 8) + c + (c >> 3);
+}
+
+#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8))  // slots of one stage
+#define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)                     // rows a block's threads cover
+
+// Stage k0 .. k0 + STEP_K of the tile's first `rows` tokens as one cp.async group: each thread
+// copies chunk threadIdx.x % 32 of rows ACT_ROW_STRIDE apart, a fixed share (a loop strided over
+// rows * 32 chunks cost some 100 instructions a step at 8 rows).
+__device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __restrict__ A, i64 m0, int rows, int k0,
+                                                  int K) {
+    static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
+                  "a block's threads must split the activation tile into whole rows of chunks");
+    const int c = threadIdx.x % ACT_ROW_CHUNKS, k = k0 + 8 * c;
+    const bool ok = k < K;
+#pragma unroll
+    for (int r = threadIdx.x / ACT_ROW_CHUNKS; r < MM_TOKENS; r += ACT_ROW_STRIDE)
+        if (r < rows) cp_async16(tile + act_slot(r, c, ACT_ROW_CHUNKS), ok ? A + (m0 + r) * K + k : A, ok);
+    cp_async_commit();
 }
 
 // One step of a warp: 16 mmas per token tile. kOneBlock: a lane's 64 k lie in one scale block
@@ -172,14 +199,14 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWei
 
 template <bool kOneBlock>
 __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
-                                          uint4 (&s_act)[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS], int first,
+                                          uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS], int first,
                                           int last, const Lane& ln, const elem_t* __restrict__ A, i64 m0, int rows,
                                           int K, const void* absmax, const float* absmax2, const float* s_code2,
                                           float offset, int bs_log2, int bs2_log2) {
     const int full = K / STEP_K;
     // Software-pipelined: the next step's weights and scale parts (registers) and activations (the
     // other stage of the shared tile) are in flight while this one decodes.
-    if (first < last) stage_activations(s_act[0], A, m0, rows, ACT_ROW_CHUNKS, first * STEP_K, K);
+    if (first < last) stage_activations(s_act[0], A, m0, rows, first * STEP_K, K);
     StepWeights<kOneBlock> cur;
     load_step(cur, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     for (int step = first; step < last; ++step) {
@@ -191,7 +218,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
         // warp done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
         if (step + 1 < last)
-            stage_activations(s_act[stage ^ 1], A, m0, rows, ACT_ROW_CHUNKS, (step + 1) * STEP_K, K);
+            stage_activations(s_act[stage ^ 1], A, m0, rows, (step + 1) * STEP_K, K);
         if (step < full)
             compute_step<kOneBlock, false>(acc, cur, s_act[stage], step, ln, K, s_code2, offset);
         else
@@ -206,7 +233,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
 extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
-    __shared__ uint4 s_act[ACT_STAGES][MM_TOKENS * ACT_ROW_CHUNKS];
+    __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
     MM_SCALES_PROLOGUE;
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

@@ -5,7 +5,7 @@ kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more) and kernels/matmul_
 layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
 
 It proves the kernels' index arithmetic (the k permutation shared by both operands, the nibble
-order, the table lookups, the activation tile's staging and swizzled slots, the fragment slots,
+order, the table lookups, the activation tile's staging and padded slots, the fragment slots,
 the epilogue) without a GPU; it cannot prove the compiled code.
 """
 
@@ -92,12 +92,18 @@ def _source_expression(file: str, pattern: str, names: str) -> Callable[..., int
     return eval(f"lambda {names}: {expression}")  # the repository's own source
 
 
-# The activation tile: chunk c (8 k) of token row r sits at this slot, for writes and reads alike.
-act_slot = _source_expression(
-    "matmul_4bit_common.cuh",
-    r"int act_slot\(int row, int c, int row_chunks\) \{\s+return ([^;]+);",
-    "row, c, row_chunks",
-)
+# The activation tile: chunk c (8 k) of token row r sits at this slot, for writes and reads alike,
+# and a tile of t tokens takes this many slots; each kernel has its own.
+def _act_slot(file: str) -> Callable[[int, int, int], int]:
+    return _source_expression(
+        file, r"int act_slot\(int row, int c, int row_chunks\) \{\s+return ([^;]+);", "row, c, row_chunks"
+    )
+
+
+def _tile_slots(file: str) -> Callable[[int, int], int]:
+    return _source_expression(file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS")
+
+
 # The chunk each lane reads for its mma j, as each kernel writes it.
 _WIDE_CHUNK = _source_expression("matmul_4bit.cu", r"tile\[act_slot\(8 \* i \+ g, ([^,]+), ACT_ROW_CHUNKS\)\]", "t, q")
 _M8_CHUNK = _source_expression(
@@ -148,7 +154,8 @@ class Layout:
     """What differs between the two kernels: k a warp covers per step, mmas per step, the first k
     of lane t's 16-byte load for mma j (``load_k``), which 32-bit word of that load holds mma j's
     codes (``word``), how a word of codes decodes, and which chunk of the activation tile lane t
-    reads for mma j (``chunk``)."""
+    reads for mma j (``chunk``), where a chunk sits in the tile (``slot``) and the tile's size
+    (``tile_slots``)."""
 
     step_k: int
     mmas: int
@@ -156,6 +163,8 @@ class Layout:
     word: Callable[[int], int]  # j -> word of that load holding mma j's codes
     decode: Callable[[int, float, list[float]], list[float]]  # word -> its 8 weights, k order
     chunk: Callable[[int, int], int]  # (j, t) -> chunk of the tile's row
+    slot: Callable[[int, int, int], int]  # (row, chunk, chunks a row) -> slot of the tile
+    tile_slots: Callable[[int, int], int]  # (tokens, chunks a row) -> slots a tile takes
 
 
 def _decode_word_wide(word: int, scale: float, code: list[float]) -> list[float]:
@@ -170,6 +179,8 @@ WIDE = Layout(
     lambda j: j // 2,
     _decode_word_wide,
     lambda j, t: _WIDE_CHUNK(t, j // 2),
+    _act_slot("matmul_4bit.cu"),
+    _tile_slots("matmul_4bit.cu"),
 )
 # kernels/matmul_4bit_m8.cu: 256 k a step, lane t's 64 k at 64t in two 32-k halves, mma j from
 # word (j % 8) // 2 of half j // 8, decoded by the register-table lookups.
@@ -180,6 +191,8 @@ M8 = Layout(
     lambda j: (j % 8) // 2,
     decode_word,
     lambda j, t: _M8_CHUNK(t, j // 8, (j % 8) // 2),
+    _act_slot("matmul_4bit_m8.cu"),
+    _tile_slots("matmul_4bit_m8.cu"),
 )
 
 
@@ -220,8 +233,9 @@ def stage_tile(act: torch.Tensor, step: int, K: int, layout: Layout) -> dict[int
     for r in range(-(-M // 8) * 8):
         for c in range(row_chunks):
             k = step * layout.step_k + 8 * c
-            slot = act_slot(r, c, row_chunks)
-            assert slot not in tile and 0 <= slot < (r + 1) * row_chunks, (r, c, slot)
+            slot = layout.slot(r, c, row_chunks)
+            # each row inside its own share of the kernel's tile: tiles of r and r + 1 tokens
+            assert slot not in tile and layout.tile_slots(r, row_chunks) <= slot < layout.tile_slots(r + 1, row_chunks)
             if r >= M:
                 tile[slot] = torch.full((8,), float("nan"), dtype=torch.float64)
             else:
@@ -256,7 +270,7 @@ def emulate(
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
                         # Activations: token g's chunk of the staged tile, halves .x .y (sub = 0) or .z .w.
-                        elems = tile[act_slot(m0 + g, layout.chunk(j, t), layout.step_k // 8)]
+                        elems = tile[layout.slot(m0 + g, layout.chunk(j, t), layout.step_k // 8)]
                         regs_b = [[elems[4 * sub], elems[4 * sub + 1]], [elems[4 * sub + 2], elems[4 * sub + 3]]]
                         for reg in range(2):
                             for half in range(2):

@@ -255,7 +255,7 @@ def _lane_case(seed: int, M: int, N: int, K: int):
 @pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)])
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
     """tests/matmul_lanes.py transcribes each kernel's per-lane loads, nibble order, table
-    lookups, activation tile (staged, swizzled, NaN in the rows past M), fragment slots and
+    lookups, activation tile (staged, padded, NaN in the rows past M), fragment slots and
     epilogue; assembled by the PTX fragment layouts, they must compute A · Wᵀ (K = 224 and 320 end
     in a partial step of either kernel)."""
     from tests import matmul_lanes
@@ -276,12 +276,10 @@ def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
     row_chunks = layout.step_k // 8
     for j in range(layout.mmas):
         for i in range(8):
-            slots = [
-                matmul_lanes.act_slot(8 * i + lane // 4, layout.chunk(j, lane % 4), row_chunks) for lane in range(32)
-            ]
+            slots = [layout.slot(8 * i + lane // 4, layout.chunk(j, lane % 4), row_chunks) for lane in range(32)]
             assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), (j, i)
     for first in range(0, 64 * row_chunks, 32):  # a warp's writes: chunks first .. first + 31 in row order
-        slots = [matmul_lanes.act_slot(e // row_chunks, e % row_chunks, row_chunks) for e in range(first, first + 32)]
+        slots = [layout.slot(e // row_chunks, e % row_chunks, row_chunks) for e in range(first, first + 32)]
         assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), first
 
 
