@@ -168,6 +168,67 @@ __device__ __forceinline__ elem_t from_float(float v) {
     const float offset = 0.0f
 #endif
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// K split over a thread block cluster (sm_90 on; the 8-token kernel's epilogue): the host may launch
+// the splits of each feature group and token tile as one cluster of (1, splits, 1) blocks, so split s
+// is the cluster's block s. Each block leaves its partial sums in its own shared memory; after a
+// cluster barrier the blocks read each other's (distributed shared memory) and add them in split
+// order, in fp32, the finish kernel's arithmetic: the same bits, without the finish launch (about
+// 4 µs a call on an H100) or a workspace.
+__device__ __forceinline__ unsigned cluster_blocks() {
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+
+__device__ __forceinline__ unsigned cluster_block() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// Every block's shared-memory writes before it visible to every block of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// `p` (this block's shared memory) in the cluster's block `block`.
+__device__ __forceinline__ float load_in_block(const float* p, unsigned block) {
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(block));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// `scratch`: MM_TOKENS x MM_WARPS * 16 floats of the block's shared memory the main loop is done with
+// (its activation stages). Token-major, so the adding threads write consecutive features of out.
+__device__ __forceinline__ void add_splits_in_cluster(const float (&acc)[NT8][4], int n_lo, i64 m0, int t, i64 M,
+                                                      int N, const elem_t* __restrict__ bias,
+                                                      elem_t* __restrict__ out, float* scratch) {
+    constexpr int F = MM_WARPS * 16;  // features of the block
+    const int f0 = n_lo - blockIdx.x * F;
+    __syncthreads();  // every warp done with the stages `scratch` borrows
+#pragma unroll
+    for (int i = 0; i < NT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) scratch[(i * 8 + 2 * t + (c & 1)) * F + f0 + (c < 2 ? 0 : 8)] = acc[i][c];
+    cluster_sync();
+    const unsigned splits = cluster_blocks(), me = cluster_block();
+    const int elements = F * static_cast<int>(min((i64)MM_TOKENS, M - m0));  // tokens inside M only
+    for (int e = me * MM_WARPS * 32 + threadIdx.x; e < elements; e += splits * MM_WARPS * 32) {
+        const int n = blockIdx.x * F + e % F;
+        if (n >= N) continue;
+        float v = load_in_block(scratch + e, 0);
+        for (unsigned s = 1; s < splits; ++s) v = __fadd_rn(v, load_in_block(scratch + e, s));
+        if (bias) v = __fadd_rn(v, to_float(bias[n]));
+        out[(m0 + e / F) * N + n] = from_float(v);
+    }
+    cluster_sync();  // no block leaves, taking its shared memory, while another still reads it
+}
+#endif
+
 // The epilogue. Accumulator (i, c) of lane (g, t): feature n_lo (c < 2) or n_hi = n_lo + 8,
 // token m0 + 8i + 2t + (c & 1). With one split the output (+ bias) is written here; with more,
 // this split's slice of `partial` [splits, M, N], which matmul_4bit_finish adds in split order.

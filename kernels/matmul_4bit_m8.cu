@@ -229,7 +229,8 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
 
 // Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 256 k),
 // z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
-// split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
+// launched as clusters of the splits (sm_90 on), the cluster adds them (add_splits_in_cluster);
+// else split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
 extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
@@ -266,5 +267,9 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
         run_split<false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                          bs2_log2);
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the stages");
+    if (cluster_blocks() > 1) return add_splits_in_cluster(acc, n_lo, m0, t, M, N, bias, out, reinterpret_cast<float*>(s_act));
+#endif
     store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);
 }

@@ -208,18 +208,31 @@ def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
 BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, ((0, 2), (96 * 128, 32))
 
 
-@pytest.fixture(scope="module")
-def matmul_entry(module, entry):
+# A stand-in GPU's clusters held at once, by splits (Plan.max_clusters): few of 5 or more splits, so
+# the battery's split calls run both ways.
+MAX_CLUSTERS = (0, 0, 260, 170, 130, 1, 1, 1, 1)
+
+
+@pytest.fixture(scope="module", params=[(), MAX_CLUSTERS], ids=["no-clusters", "clusters"])
+def matmul_entry(module, entry, request):
+    """The compiled matmul entry on a stand-in GPU without thread block clusters (splits added by
+    the finish kernel) and with them (added inside a cluster where they fit); the stand-in's
+    ``max_clusters`` rides along."""
+
     def plan_only(dtype, quant, nested, tokens, device):
         threads = matmul_kernel.threads(matmul_kernel.TOKEN_TILES[tokens])
-        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS)
+        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS, request.param)
 
-    return host_launcher.configure_matmul(module, entry, plan_only, crossover=lambda device: CROSSOVER)
+    compiled = host_launcher.configure_matmul(
+        module, entry, plan_only, crossover=lambda device: CROSSOVER, launch_kernel_ex=1
+    )
+    return compiled, request.param
 
 
-def _python_matmul(call: dict, compiled):
-    """The Python path's decision and launches for a matmul call, into the compiled path's output
-    and workspace addresses; None where it does not fuse the call."""
+def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
+    """The Python path's decision and launches for a matmul call on a GPU holding ``max_clusters``
+    clusters, into the compiled path's output and workspace addresses; None where it does not fuse
+    the call."""
     A, bias, out = call["A"], call["bias"], call["out"]
     fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
     max_rows = call["max_rows"] or matmul.rows_within(CROSSOVER, call["shape"][0] * call["shape"][1])
@@ -235,7 +248,7 @@ def _python_matmul(call: dict, compiled):
         return None
     M, main_slots = A.numel() // K, compiled[3] if compiled else (0,) * 16
     tokens = matmul_kernel.token_tile(M)
-    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS)
+    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS, max_clusters)
     target = out if out is not None else _AtAddress(main_slots[9])
     main_args, finish_args = matmul.launch_of(A, checked, bias, target, grid, main_slots[7])
     packed = []
@@ -251,22 +264,28 @@ def _python_matmul(call: dict, compiled):
         -1,  # a host tensor's device index, as PyTorch's C++ gives it
     )
     threads = (matmul_kernel.threads(tokens), matmul_kernel.FINISH_THREADS)
-    return key, grid.blocks, threads[0], packed[0], grid.finish_blocks(M, N), threads[1], packed[1]
+    finish_blocks = grid.finish_blocks(M, N) if grid.finished else 0
+    cluster = matmul_kernel.cluster_of(grid)
+    return key, grid.blocks, threads[0], packed[0], cluster, finish_blocks, threads[1], packed[1]
 
 
 @pytest.mark.parametrize("name", list(MATMUL))
 def test_both_paths_fuse_the_same_matmul_calls_with_the_same_launches(module, matmul_entry, name):
-    call = MATMUL[name]
-    compiled = module.describe_matmul(matmul_entry, *call_battery.matmul_positional(call))
-    assert compiled == _python_matmul(call, compiled)
+    call, (entry, max_clusters) = MATMUL[name], matmul_entry
+    compiled = module.describe_matmul(entry, *call_battery.matmul_positional(call))
+    assert compiled == _python_matmul(call, compiled, max_clusters)
 
 
 def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both_decisions(module, matmul_entry):
-    describe = module.describe_matmul
-    launches = {name: describe(matmul_entry, *call_battery.matmul_positional(c)) for name, c in MATMUL.items()}
+    describe, (entry, max_clusters) = module.describe_matmul, matmul_entry
+    launches = {name: describe(entry, *call_battery.matmul_positional(c)) for name, c in MATMUL.items()}
     taken = [launch for launch in launches.values() if launch is not None]
     assert {key[3] for key, *_ in taken} == set(range(len(matmul_kernel.TOKEN_TILES)))
     assert {grid[1] > 1 for _key, grid, *_ in taken} == {True, False}
+    # A split call runs its splits as clusters (no finish) or the finish adds them: on a GPU with
+    # clusters the battery has both, without only the finish.
+    split = {(cluster > 1, finish > 0) for _key, grid, _threads, _slots, cluster, finish, *_ in taken if grid[1] > 1}
+    assert split == ({(True, False), (False, True)} if max_clusters else {(False, True)})
     assert {key[:3] for key, *_ in taken} >= {(d, q, n) for d in (0, 1) for q in (0, 1) for n in (0, 1)}
     declined = {name for name, launch in launches.items() if launch is None}
     expected = {"over-max-rows", "crossover-smaller-weight", "A-requires-grad", "weight-codes-short", "out-dtype"}
@@ -276,8 +295,8 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
 
 def test_configure_matmul_refuses_what_is_not_a_dequantize_entry(module, entry):
     with pytest.raises(TypeError, match="entry point from configure"):
-        module.configure_matmul(print, int, int, int, (torch.float16,), (8,), 32, 16)
+        module.configure_matmul(print, int, int, int, (torch.float16,), (8,), 32, 16, 1)
     with pytest.raises(TypeError, match="output dtypes"):
-        module.configure_matmul(entry, int, int, int, (torch.int8,), (8,), 32, 16)
+        module.configure_matmul(entry, int, int, int, (torch.int8,), (8,), 32, 16, 1)
     with pytest.raises(ValueError, match="increasing"):
-        module.configure_matmul(entry, int, int, int, (torch.float16,), (16, 8), 32, 16)
+        module.configure_matmul(entry, int, int, int, (torch.float16,), (16, 8), 32, 16, 1)

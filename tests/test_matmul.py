@@ -9,6 +9,7 @@ and F.linear bit for bit; bias, out=, [K, N] weights, empty and 3-D inputs as bi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import DequantizeInputError
-from harness.runtime import api, matmul, matmul_kernel
+from harness.runtime import api, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 
 # Rows every GPU fuses, whatever the weight: the smallest entry of any crossover table.
@@ -55,9 +56,10 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     steps = -(-K // matmul_kernel.step_k(tokens))
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
     assert groups * matmul_kernel.features_per_block(tokens) >= N and tiles * tokens >= M
-    assert splits <= matmul_kernel.MAX_SPLITS
+    assert splits <= matmul_kernel.MAX_SPLITS and not g.clustered  # no clusters on this GPU
+    assert g.workspace_elements(M, N) == (splits * M * N if splits > 1 else 0)
     # The partial sums stay within their share of the weights' bytes; a split's pipeline fill pays.
-    assert 4 * g.workspace_elements(M, N) <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1
+    assert 4 * splits * M * N <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1
     assert g.steps_per_split >= matmul_kernel.MIN_SPLIT_STEPS or splits == 1
     blocks = groups * splits * tiles
     if matmul_kernel.token_tile(M) != matmul_kernel.M8_TOKENS:  # wide tiles: one wave, never a nearly empty second
@@ -68,6 +70,24 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     if blocks >= sms and splits < min(steps // matmul_kernel.MIN_SPLIT_STEPS, matmul_kernel.MAX_SPLITS):
         # Work to spread and splits to spare: the busiest SM runs at most 15% more steps than the average.
         assert busiest <= 1.15 * groups * tiles * steps / sms, (g, busiest)
+
+
+@pytest.mark.parametrize(
+    ("units", "splits", "slots", "fits"),
+    [
+        (448, 2, 528, True),  # Llama-3.3-70B gate at one row on an H100: 264 clusters at once, 2 waves either way
+        (128, 4, 528, False),  # its o: 124 clusters at once, so 4 clusters would run as a second wave
+        (16, 8, 528, True),  # its k: 16 clusters
+        (16, 9, 528, False),  # more splits than the largest cluster
+        (16, 1, 528, False),  # nothing to add
+    ],
+)
+def test_splits_run_as_clusters_only_in_as_many_waves_as_their_blocks(units, splits, slots, fits):
+    """With the clusters an H100 holds at once (cuOccupancyMaxActiveClusters, 8-token kernel:
+    measured for 2, 4 and 8 splits; the others left out here)."""
+    h100 = (0, 0, 264, 0, 124, 0, 0, 0, 62)
+    assert matmul_kernel.clusters_fit(units, splits, slots, h100) == fits
+    assert not matmul_kernel.clusters_fit(units, splits, slots, ())  # a GPU without clusters
 
 
 def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():
@@ -213,6 +233,38 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
     first = matmul.fused_matmul(A, B.t(), qs)
     for run in range(20):
         assert_bit_exact(matmul.fused_matmul(A, B.t(), qs), first, f"run {run}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("M", "dtype", "bias"), [(1, torch.bfloat16, False), (3, torch.float16, True), (8, torch.bfloat16, True)]
+)
+def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, dtype, bias):
+    """Where the GPU has thread block clusters, the 8-token kernel's splits of K add themselves
+    inside their cluster, in split order with the finish kernel's fp32 adds: the same bits as the
+    finish (features past N and the bias included). Elsewhere, and for the wider tiles, the finish
+    adds them."""
+    N, K, tokens = 330, 4096, matmul_kernel.token_tile(M)
+    variant = matmul_kernel.MatmulVariant(matmul._NAMES[dtype], "nf4", True, tokens)
+    plan = matmul_kernel.plan(variant, cuda.index)
+    grid = plan.grid(M, N, K, tokens)
+    has_clusters = int(launcher.device_arch(cuda.index)[3:]) >= matmul_kernel.CLUSTER_ARCH
+    assert bool(plan.max_clusters) == has_clusters and grid.splits > 1, "the case must split K"
+    wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 16), cuda.index)
+    assert wide.max_clusters == () and not wide.grid(16, N, K, 16).clustered
+    if not has_clusters:
+        assert grid.finished, "a split K without clusters is the finish's"
+        return
+    assert grid.clustered, "the case's splits must run as clusters"
+    B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
+    A = torch.randn(M, K, device=cuda).to(dtype)
+    b = torch.randn(N, device=cuda).to(dtype) if bias else None
+    with api.python_path_only():
+        clustered = matmul.fused_matmul(A, B.t(), qs, bias=b, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
+        finish_grid = dataclasses.replace(grid, clustered=False)  # the same splits, added by the finish
+        monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: finish_grid)
+        finished = matmul.fused_matmul(A, B.t(), qs, bias=b, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
+    assert_bit_exact(clustered, finished, "cluster against finish")
 
 
 @pytest.mark.gpu

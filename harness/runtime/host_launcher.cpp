@@ -37,6 +37,27 @@ namespace {
 using LaunchKernelFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                                unsigned shared_bytes, void* stream, void** params, void** extra);
 using CtxGetCurrentFn = int (*)(void** ctx);
+// cuLaunchKernelEx's configuration with one attribute, laid out as cuda.h lays out CUlaunchConfig and
+// CUlaunchAttribute (an id padded to 8 bytes, then a 64-byte value).
+struct LaunchAttribute {
+  int id = 0;
+  char pad[4] = {};
+  union {
+    char bytes[64];
+    struct {
+      unsigned x, y, z;
+    } cluster;
+  } value = {};
+};
+struct LaunchConfig {
+  unsigned grid[3] = {}, block[3] = {}, shared_bytes = 0;
+  void* stream = nullptr;
+  LaunchAttribute* attrs = nullptr;
+  unsigned num_attrs = 0;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h's layout of the launch config");
+constexpr int kClusterDimension = 4;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+using LaunchKernelExFn = int (*)(const LaunchConfig* config, void* f, void** params, void** extra);
 
 // The entry point's arguments, in order; an operand rule names its tensor by index into the first six.
 constexpr const char* kArgs[] = {"A",     "absmax", "code2",     "absmax2",    "offset",    "out",
@@ -443,6 +464,9 @@ struct MatmulPlan {
   void* finish = nullptr;
   void* context = nullptr;
   int64_t main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
+  PyObject* max_clusters = nullptr;  // handed back to grid_of as it came (matmul_kernel.Plan.max_clusters)
+
+  ~MatmulPlan() { Py_XDECREF(max_clusters); }
 };
 
 // A GPU's crossover (matmul.crossover_table): (weight elements from which it holds, most rows), by
@@ -456,9 +480,11 @@ struct MatmulConfig {
   PyObject* dequantize = nullptr;  // the dequantization entry point: owns the Config reused here
   Config* config = nullptr;
   PyObject* resolve_plan = nullptr;  // (dtype, quant, nested, tokens, device) -> (main, finish, context,
-                                     //  main threads, finish threads, blocks per SM, SMs); indices but device
-  PyObject* grid_of = nullptr;       // (M, N, K, tokens, blocks per SM, SMs) -> (gx, gy, gz, steps per split,
-                                     //  finish blocks)
+                                     //  main threads, finish threads, blocks per SM, SMs, max clusters);
+                                     //  indices but device
+  PyObject* grid_of = nullptr;       // (M, N, K, tokens, blocks per SM, SMs, max clusters) -> (gx, gy, gz,
+                                     //  steps per split, finish blocks (0: none), cluster blocks along y)
+  LaunchKernelExFn launch_ex = nullptr;  // cuLaunchKernelEx: the main launch of a cluster grid
   PyObject* crossover = nullptr;     // (device) -> that GPU's CrossoverTable as ((elements, rows), ...)
   std::vector<PyObject*> dtypes;     // A's dtypes, in the variants' order
   std::vector<int64_t> token_tiles;
@@ -497,11 +523,14 @@ const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int ne
   if (r == nullptr) throw python_error();
   unsigned long long main = 0, finish = 0, context = 0;
   long long main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
-  const bool parsed = PyArg_ParseTuple(r, "KKKLLLL", &main, &finish, &context, &main_threads, &finish_threads,
-                                       &blocks_per_sm, &sms);
+  PyObject* max_clusters = nullptr;  // borrowed from r
+  const bool parsed = PyArg_ParseTuple(r, "KKKLLLLO", &main, &finish, &context, &main_threads, &finish_threads,
+                                       &blocks_per_sm, &sms, &max_clusters);
+  if (parsed) Py_INCREF(max_clusters);
   Py_DECREF(r);
   if (!parsed) throw python_error();
   if (main_threads <= 0 || finish_threads <= 0 || blocks_per_sm <= 0 || sms <= 0) {
+    Py_DECREF(max_clusters);
     PyErr_SetString(PyExc_ValueError, "matmul resolve_plan returned a non-positive size");
     throw python_error();
   }
@@ -514,7 +543,10 @@ const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int ne
     plan.finish_threads = finish_threads;
     plan.blocks_per_sm = blocks_per_sm;
     plan.sms = sms;
+    plan.max_clusters = max_clusters;
     plan.ready.store(true, std::memory_order_release);
+  } else {
+    Py_DECREF(max_clusters);  // another thread resolved it first
   }
   return &plan;
 }
@@ -564,7 +596,7 @@ struct MatmulLaunch {
   int64_t out_sizes[kMaxDims] = {};
   int64_t out_ndim = 0;
   const MatmulPlan* plan = nullptr;
-  int64_t grid[3] = {}, steps_per_split = 0, finish_blocks = 0;
+  int64_t grid[3] = {}, steps_per_split = 0, finish_blocks = 0, cluster_y = 1;
   uint64_t main[kMainParams] = {}, finish[kFinishParams] = {};
 };
 
@@ -635,14 +667,14 @@ bool prepare_matmul(MatmulConfig* mc, PyObject* const* args, Py_ssize_t nargs, M
     }
   }
   ML->plan = matmul_plan_for(mc, ML->dtype, W.quant, W.nested, ML->tokens, W.device);
-  PyObject* g = PyObject_CallFunction(mc->grid_of, "LLLLLL", static_cast<long long>(ML->M),
-                                      static_cast<long long>(ML->N), static_cast<long long>(ML->K),
-                                      static_cast<long long>(mc->token_tiles[ML->tokens]),
-                                      static_cast<long long>(ML->plan->blocks_per_sm),
-                                      static_cast<long long>(ML->plan->sms));
+  PyObject* g = PyObject_CallFunction(
+      mc->grid_of, "LLLLLLO", static_cast<long long>(ML->M), static_cast<long long>(ML->N),
+      static_cast<long long>(ML->K), static_cast<long long>(mc->token_tiles[ML->tokens]),
+      static_cast<long long>(ML->plan->blocks_per_sm), static_cast<long long>(ML->plan->sms),
+      ML->plan->max_clusters);
   if (g == nullptr) throw python_error();
-  long long gx = 0, gy = 0, gz = 0, steps = 0, finish_blocks = 0;
-  const bool parsed = PyArg_ParseTuple(g, "LLLLL", &gx, &gy, &gz, &steps, &finish_blocks);
+  long long gx = 0, gy = 0, gz = 0, steps = 0, finish_blocks = 0, cluster_y = 1;
+  const bool parsed = PyArg_ParseTuple(g, "LLLLLL", &gx, &gy, &gz, &steps, &finish_blocks, &cluster_y);
   Py_DECREF(g);
   if (!parsed) throw python_error();
   ML->grid[0] = gx;
@@ -650,11 +682,12 @@ bool prepare_matmul(MatmulConfig* mc, PyObject* const* args, Py_ssize_t nargs, M
   ML->grid[2] = gz;
   ML->steps_per_split = steps;
   ML->finish_blocks = finish_blocks;
+  ML->cluster_y = cluster_y;
   return true;
 }
 
-// The output, the workspace (one fp32 [M, N] slice per split of K) and both kernels' arguments
-// (matmul_kernel.launch_args' order).
+// The output, the workspace (one fp32 [M, N] slice per split of K the finish adds) and both kernels'
+// arguments (matmul_kernel.launch_args' order).
 void finish_matmul(MatmulLaunch* ML, at::Tensor* allocated, at::Tensor* workspace) {
   const at::Tensor& A = *ML->A;
   if (ML->out == nullptr) {
@@ -663,7 +696,7 @@ void finish_matmul(MatmulLaunch* ML, at::Tensor* allocated, at::Tensor* workspac
   }
   const int64_t splits = ML->grid[1];
   uint64_t partial = 0;
-  if (splits > 1) {
+  if (ML->finish_blocks > 0) {
     *workspace = at::empty({splits * ML->M * ML->N}, A.options().dtype(at::kFloat));
     partial = reinterpret_cast<uint64_t>(workspace->data_ptr());
   }
@@ -713,11 +746,26 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   void* stream = reinterpret_cast<void*>(current_stream(config, ML.weight.device));
   void* params[kMainParams];
   for (int i = 0; i < kMainParams; ++i) params[i] = &ML.main[i];
-  int err = config->launch(ML.plan->main, static_cast<unsigned>(ML.grid[0]), static_cast<unsigned>(ML.grid[1]),
-                           static_cast<unsigned>(ML.grid[2]), static_cast<unsigned>(ML.plan->main_threads), 1, 1, 0,
-                           stream, params, nullptr);
+  int err = 0;
+  if (ML.cluster_y == 1) {
+    err = config->launch(ML.plan->main, static_cast<unsigned>(ML.grid[0]), static_cast<unsigned>(ML.grid[1]),
+                         static_cast<unsigned>(ML.grid[2]), static_cast<unsigned>(ML.plan->main_threads), 1, 1, 0,
+                         stream, params, nullptr);
+  } else {
+    LaunchAttribute cluster;
+    cluster.id = kClusterDimension;
+    cluster.value.cluster = {1, static_cast<unsigned>(ML.cluster_y), 1};
+    LaunchConfig launch;
+    for (int i = 0; i < 3; ++i) launch.grid[i] = static_cast<unsigned>(ML.grid[i]);
+    launch.block[0] = static_cast<unsigned>(ML.plan->main_threads);
+    launch.block[1] = launch.block[2] = 1;
+    launch.stream = stream;
+    launch.attrs = &cluster;
+    launch.num_attrs = 1;
+    err = mc->launch_ex(&launch, ML.plan->main, params, nullptr);
+  }
   if (err != 0) return Py_BuildValue("ii", 0, err);
-  if (ML.grid[1] > 1) {
+  if (ML.finish_blocks > 0) {
     for (int i = 0; i < kFinishParams; ++i) params[i] = &ML.finish[i];
     err = config->launch(ML.plan->finish, static_cast<unsigned>(ML.finish_blocks), 1, 1,
                          static_cast<unsigned>(ML.plan->finish_threads), 1, 1, 0, stream, params, nullptr);
@@ -733,7 +781,8 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
 
 // describe_matmul(entry, *args): the launches matmul would make, without the context check or the
 // launches: ((dtype, quant, nested, tokens, device), (gx, gy, gz), main threads, main slots,
-// finish blocks, finish threads, finish slots), or None where it declines.
+// cluster blocks along y, finish blocks (0: no finish), finish threads, finish slots), or None
+// where it declines.
 PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs < 1 || !PyCFunction_Check(args[0])) {
@@ -748,10 +797,11 @@ PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   at::Tensor allocated, workspace;
   finish_matmul(&ML, &allocated, &workspace);
   const Launch& W = ML.weight;
-  return Py_BuildValue("(iiiiL)(LLL)LNLLN", ML.dtype, W.quant, W.nested, ML.tokens, static_cast<long long>(W.device),
-                       static_cast<long long>(ML.grid[0]), static_cast<long long>(ML.grid[1]),
-                       static_cast<long long>(ML.grid[2]), static_cast<long long>(ML.plan->main_threads),
-                       slots_tuple(ML.main, kMainParams), static_cast<long long>(ML.finish_blocks),
+  return Py_BuildValue("(iiiiL)(LLL)LNLLLN", ML.dtype, W.quant, W.nested, ML.tokens,
+                       static_cast<long long>(W.device), static_cast<long long>(ML.grid[0]),
+                       static_cast<long long>(ML.grid[1]), static_cast<long long>(ML.grid[2]),
+                       static_cast<long long>(ML.plan->main_threads), slots_tuple(ML.main, kMainParams),
+                       static_cast<long long>(ML.cluster_y), static_cast<long long>(ML.finish_blocks),
                        static_cast<long long>(ML.plan->finish_threads), slots_tuple(ML.finish, kFinishParams));
   END_HANDLE_TH_ERRORS
 }
@@ -761,14 +811,16 @@ PyMethodDef matmul_def = {
     "matmul(A, W, absmax, code2, absmax2, offset, bias, out, shape, blocksize, blocksize2, quant_type, max_rows): the "
     "output, None (the Python path takes the call) or (kernel, CUresult) (the driver refused a launch)."};
 
-// configure_matmul(dequantize_entry, resolve_plan, grid_of, crossover, dtypes, token_tiles, k_multiple, align)
-// -> a matmul entry point sharing the dequantization entry's driver, stream lookup and weight rules
+// configure_matmul(dequantize_entry, resolve_plan, grid_of, crossover, dtypes, token_tiles, k_multiple, align,
+// launch_kernel_ex) -> a matmul entry point sharing the dequantization entry's driver, stream lookup and
+// weight rules
 PyObject* configure_matmul(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *dequantize, *resolve_plan, *grid_of, *crossover, *dtypes, *token_tiles;
   long long k_multiple = 0, align = 0;
-  if (!PyArg_ParseTuple(args, "OOOOO!O!LL", &dequantize, &resolve_plan, &grid_of, &crossover, &PyTuple_Type, &dtypes,
-                        &PyTuple_Type, &token_tiles, &k_multiple, &align))
+  unsigned long long launch_ex = 0;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!LLK", &dequantize, &resolve_plan, &grid_of, &crossover, &PyTuple_Type,
+                        &dtypes, &PyTuple_Type, &token_tiles, &k_multiple, &align, &launch_ex))
     return nullptr;
   if (!PyCFunction_Check(dequantize) || PyCFunction_GET_SELF(dequantize) == nullptr ||
       !PyCapsule_IsValid(PyCFunction_GET_SELF(dequantize), kCapsule)) {
@@ -806,6 +858,7 @@ PyObject* configure_matmul(PyObject* /*module*/, PyObject* args) {
   next->crossover = crossover;
   next->k_multiple = k_multiple;
   next->align = align;
+  next->launch_ex = reinterpret_cast<LaunchKernelExFn>(launch_ex);
   const size_t slots = static_cast<size_t>(std::max(next->config->devices, 1));
   next->plans.reset(new MatmulPlan[slots * next->dtypes.size() * next->config->quant_types.size() * 2 *
                                    next->token_tiles.size()]);

@@ -218,12 +218,13 @@ MATMUL_ARGS = (
 )  # fmt: skip
 
 
-def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover):
+def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover, launch_kernel_ex=None):
     """The module's fused-matmul entry point beside a ``configure``d dequantize entry, whose driver
-    entry points, stream lookup and weight rules it shares: the plans, grids, dtypes, token tiles
-    and shape rules come from ``matmul_kernel``; ``crossover(device index)`` gives a GPU's crossover
-    table (``matmul.crossover_table``), read once: the most rows it fuses by weight size where the
-    caller names none. Tests replace the plan resolver where there is no GPU."""
+    entry points, stream lookup and weight rules it shares (and ``cuLaunchKernelEx``, for grids of
+    clusters): the plans, grids, dtypes, token tiles and shape rules come from ``matmul_kernel``;
+    ``crossover(device index)`` gives a GPU's crossover table (``matmul.crossover_table``), read
+    once: the most rows it fuses by weight size where the caller names none. Tests replace the plan
+    resolver, and bind an inert launch entry point, where there is no GPU."""
     from harness.runtime import matmul_kernel
     from harness.runtime.api import DTYPES
 
@@ -238,6 +239,7 @@ def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover):
         matmul_kernel.TOKEN_TILES,
         matmul_kernel.K_MULTIPLE,
         matmul_kernel.ALIGN,
+        launch_kernel_ex or _driver_entry("cuLaunchKernelEx"),
     )
 
 

@@ -3,10 +3,10 @@
 Generic: a kernel is named by its source, entry point, macros and parameter kinds; nothing here
 knows what a kernel computes (``dequantize_kernel`` owns that for the dequantization kernel).
 
-Launches go straight to ``cuLaunchKernel`` (cuda.bindings) with the arguments packed by a
-precompiled ``struct`` layout into one reusable buffer: measured on an H100 host, building numpy
-scalars and cuda.core's per-call argument holder cost more than the driver call itself, and the
-drop-in API's budget is a few microseconds per call.
+Launches go straight to ``cuLaunchKernel`` (cuda.bindings; ``cuLaunchKernelEx`` for a grid of
+clusters) with the arguments packed by a precompiled ``struct`` layout into one reusable buffer:
+measured on an H100 host, building numpy scalars and cuda.core's per-call argument holder cost more
+than the driver call itself, and the drop-in API's budget is a few microseconds per call.
 """
 
 from __future__ import annotations
@@ -166,12 +166,15 @@ def _error_name(err) -> str:
 
 def launch_error(label: str, err) -> KernelLaunchError:
     """The exception for a launch the driver refused with CUresult ``err``."""
-    return KernelLaunchError(label, _error_name(err), f"cuLaunchKernel returned {int(err)}")
+    return KernelLaunchError(label, _error_name(err), f"the launch returned {int(err)}")
 
 
-def launch(loaded: LoadedKernel, grid: int | tuple[int, int, int], block: int, stream_handle: int, args) -> None:
+def launch(
+    loaded: LoadedKernel, grid: int | tuple[int, int, int], block: int, stream_handle: int, args, cluster_y: int = 1
+) -> None:
     """Enqueue one launch of ``loaded`` with ``args`` (in the order of its parameter kinds) on a
-    raw CUDA stream handle (e.g. PyTorch's current stream); ``grid`` is a block count or (x, y, z).
+    raw CUDA stream handle (e.g. PyTorch's current stream); ``grid`` is a block count or (x, y, z);
+    ``cluster_y`` > 1 runs the blocks as thread block clusters of (1, cluster_y, 1) (sm_90 on).
     A refused launch raises KernelLaunchError with the CUDA error name."""
     driver = _driver or _bind_driver()
     if (stream := _streams.get(stream_handle)) is None:
@@ -180,9 +183,37 @@ def launch(loaded: LoadedKernel, grid: int | tuple[int, int, int], block: int, s
     packer = loaded.packer
     with loaded.lock:
         packer.pack(args)
-        (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
+        if cluster_y == 1:
+            (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
+        else:
+            config = _cluster_config(driver, gx, gy, gz, block, stream, cluster_y)
+            (err,) = driver.cuLaunchKernelEx(config, loaded.handle, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
         raise launch_error(loaded.label, err)
+
+
+def max_clusters(loaded: LoadedKernel, block: int, cluster: tuple[int, int, int]) -> int:
+    """Clusters of ``cluster`` blocks of ``loaded`` the GPU holds at once (0: none; sm_90 on)."""
+    driver = _driver or _bind_driver()
+    config = _cluster_config(driver, *cluster, block, None, cluster[1])
+    # The binding takes a CUfunction here; a loaded CUkernel is one to the driver.
+    err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(int(loaded.handle)), config)
+    return 0 if err else int(count)
+
+
+def _cluster_config(driver, gx: int, gy: int, gz: int, block: int, stream, cluster_y: int):
+    """cuLaunchKernelEx's configuration for a grid of (1, cluster_y, 1) clusters."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = 1, cluster_y, 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = 0
+    if stream is not None:
+        config.hStream = stream
+    config.attrs, config.numAttrs = [attribute], 1
+    return config
 
 
 # -- PyTorch's current stream, with the GPU's context current ---------------------------------------

@@ -2,8 +2,9 @@
 tokens a tile ``kernels/matmul_4bit_m8.cu``, more ``kernels/matmul_4bit.cu``, or on Hopper
 ``kernels/matmul_4bit_sm90.cu``; one parameter list),
 the shapes they take, the launch plan (token tile, split of K) and the launch on a raw stream: the
-main kernel, writing the output itself when K is not split, else its partial sums into a workspace
-that ``matmul_4bit_finish`` adds in split order.
+main kernel, writing the output itself when K is not split or its splits run as one thread block
+cluster (sm_90 on), else its partial sums into a workspace that ``matmul_4bit_finish`` adds in split
+order.
 
 Importable without PyTorch (the compile check lists the variants).
 """
@@ -119,14 +120,20 @@ def takes_shape(K: int, blocksize: int) -> bool:
 class Grid:
     blocks: tuple[int, int, int]  # feature groups, splits of K, token tiles
     steps_per_split: int
+    clustered: bool = False  # the splits of a feature group and token tile run as one cluster
 
     @property
     def splits(self) -> int:
         return self.blocks[1]
 
+    @property
+    def finished(self) -> bool:
+        """Whether the finish kernel adds the splits (split, and not added inside a cluster)."""
+        return self.splits > 1 and not self.clustered
+
     def workspace_elements(self, M: int, N: int) -> int:
-        """fp32 partial sums the launch needs: one [M, N] slice per split, none without a split."""
-        return self.splits * M * N if self.splits > 1 else 0
+        """fp32 partial sums the launch needs: one [M, N] slice per split the finish adds, else none."""
+        return self.splits * M * N if self.finished else 0
 
     def finish_blocks(self, M: int, N: int) -> int:
         """Blocks of ``FINISH_THREADS`` the finish runs (one thread an output, grid-strided past 65535)."""
@@ -140,6 +147,15 @@ class Grid:
 PARTIAL_SHARE = 1.0
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
+# Where the GPU has thread block clusters (sm_90 on), a grid's splits of K may run as one cluster
+# per feature group and token tile, which adds them itself (kernels/matmul_4bit_common.cuh): no
+# finish launch (about 4 µs a call on an H100) and no workspace. Only where the clusters fit in as
+# many waves as the blocks would: the GPU holds fewer clusters at once than blocks / splits (the
+# 8192x8192 weight at one row: 124 clusters of 4 against 128, so 4 ran as a second wave, 30.5 -> 33.4
+# µs), kernels/NOTES.md. At most the portable cluster size. The 8-token kernel only: compiled into
+# the wide tiles' kernels the cluster epilogue made their main loops 2-6% slower at 16-32 rows.
+CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
+CLUSTER_SPLITS = 8
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes).
@@ -155,10 +171,13 @@ def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
 
 # Every fused call asks for its grid: a pure function of a few ints, searched once per shape.
 @functools.lru_cache(maxsize=4096)
-def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> Grid:
+def grid_for(
+    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...] = ()
+) -> Grid:
     """How K is split, as far as the partial sums stay within ``PARTIAL_SHARE`` of the weights'
     bytes, a split runs at least ``MIN_SPLIT_STEPS`` steps (the last may run fewer) and there are at
-    most ``MAX_SPLITS``.
+    most ``MAX_SPLITS``; and whether the splits run as clusters (``clusters_fit``, with
+    ``max_clusters[s]`` clusters of s splits the GPU holds at once, empty where it has none).
 
     The 8-token kernel's decode keeps every SM's integer pipe busy, so its launch lasts as long as
     its busiest SM: K is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds
@@ -179,7 +198,7 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
 
     if tokens != M8_TOKENS:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        return Grid((groups, n, tiles), per_split)
+        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm * sms, max_clusters))
     fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
 
     def cost(splits: int) -> tuple[int, int]:
@@ -187,7 +206,15 @@ def grid_for(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) 
         return busiest_sm_steps(units * n, per_split, sms), n
 
     n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
-    return Grid((groups, n, tiles), per_split)
+    return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm * sms, max_clusters))
+
+
+def clusters_fit(units: int, splits: int, slots: int, max_clusters: tuple[int, ...]) -> bool:
+    """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) run in
+    as many waves as their blocks would on their own (``slots`` blocks at once)."""
+    if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
+        return False
+    return -(-units // max_clusters[splits]) <= -(-units * splits // slots)
 
 
 @dataclass(frozen=True)
@@ -197,9 +224,10 @@ class Plan:
     threads: int  # a main kernel block's
     blocks_per_sm: int  # main kernel blocks one SM holds at once
     sms: int
+    max_clusters: tuple[int, ...]  # [s]: clusters of s splits the GPU holds at once (empty: no clusters)
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
-        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms)
+        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -213,7 +241,10 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
         block = threads(variant.tokens)
         per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
-        hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index))
+        clusters = ()
+        if variant.tokens == M8_TOKENS and int(launcher.device_arch(device_index)[3:]) >= CLUSTER_ARCH:
+            clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(CLUSTER_SPLITS + 1))
+        hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index), clusters)
     return hit
 
 
@@ -249,27 +280,37 @@ def launch_args(
 
 
 def launch(p: Plan, grid: Grid, stream: int, main_args: tuple, finish_args: tuple, M: int, N: int) -> None:
-    """Enqueue the main kernel (and, when K is split, the finish) on ``stream`` with ``launch_args``'
-    arguments; ``p`` is the variant's plan on the stream's GPU (``plan``), ``grid`` its grid for the call."""
-    launcher.launch(p.main, grid.blocks, p.threads, stream, main_args)
-    if grid.splits > 1:
+    """Enqueue the main kernel (and, when the finish adds the splits, the finish) on ``stream`` with
+    ``launch_args``' arguments; ``p`` is the variant's plan on the stream's GPU (``plan``), ``grid``
+    its grid for the call."""
+    launcher.launch(p.main, grid.blocks, p.threads, stream, main_args, cluster_of(grid))
+    if grid.finished:
         launcher.launch(p.finish, grid.finish_blocks(M, N), FINISH_THREADS, stream, finish_args)
+
+
+def cluster_of(grid: Grid) -> int:
+    """Blocks a cluster of the main launch holds along y (1: no cluster)."""
+    return grid.splits if grid.clustered else 1
 
 
 # The compiled host path's view of the above (host_launcher.configure_matmul): indices into
 # DTYPES, QUANT_TYPES and TOKEN_TILES, plain tuples it reads without Python attribute lookups.
 def host_plan(dtype: int, quant: int, nested: int, tokens: int, device_index: int) -> tuple[int, ...]:
-    """(main kernel, finish kernel, their context, threads of each, blocks per SM, SMs) of a variant
-    on a GPU, loading it on first use."""
+    """(main kernel, finish kernel, their context, threads of each, blocks per SM, SMs, clusters it
+    holds at once by splits (``Plan.max_clusters``, handed back to ``host_grid`` as it is)) of a
+    variant on a GPU, loading it on first use."""
     p = plan(MatmulVariant(DTYPES[dtype], QUANT_TYPES[quant], bool(nested), TOKEN_TILES[tokens]), device_index)
     return (
         int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), p.threads,
-        FINISH_THREADS, p.blocks_per_sm, p.sms,
+        FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def host_grid(M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int) -> tuple[int, ...]:
-    """(feature groups, splits, token tiles, steps per split, finish blocks): ``grid_for`` as a tuple."""
-    g = grid_for(M, N, K, tokens, blocks_per_sm, sms)
-    return (*g.blocks, g.steps_per_split, g.finish_blocks(M, N))
+def host_grid(
+    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
+) -> tuple[int, ...]:
+    """(feature groups, splits, token tiles, steps per split, finish blocks (0: no finish), cluster
+    blocks along y (1: none)): ``grid_for`` as a tuple."""
+    g = grid_for(M, N, K, tokens, blocks_per_sm, sms, max_clusters)
+    return (*g.blocks, g.steps_per_split, g.finish_blocks(M, N) if g.finished else 0, cluster_of(g))
