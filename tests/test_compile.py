@@ -73,10 +73,12 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
         assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
     # The wide tiles' 16-entry code table (the 8-token kernel's codes are immediates), nested: the
     # scales' 256-entry code book, and two stages of the activation tile (a step's k of every token,
-    # 2 bytes each; the wgmma kernel's tile has padded strides: its own rule).
+    # 2 bytes each; the 8-token and wgmma kernels' tiles have padded strides: their own rules).
     table = 0 if source == matmul_kernel.SOURCE_M8 else 64
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
+    if source == matmul_kernel.SOURCE_M8:  # a 16-byte slot of padding after every 8 chunks (128 bytes) of a row
+        activations += activations // 8
     if source == matmul_kernel.SOURCE_SM90:  # 8 slices of 16 k, each padded by 16 bytes, from a 128-byte boundary
         activations = 2 * 8 * (variant.tokens * 16 * 2 + 16)
         tables = -(-tables // 128) * 128
