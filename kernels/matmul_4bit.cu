@@ -108,5 +108,5 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         cur = next;
     }
 
-    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);
+    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));
 }

@@ -168,10 +168,11 @@ __device__ __forceinline__ elem_t from_float(float v) {
     const float offset = 0.0f
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// K split over a thread block cluster (sm_90 on; the 8-token kernel's epilogue): the host may launch
-// the splits of each feature group and token tile as one cluster of (1, splits, 1) blocks, so split s
-// is the cluster's block s. Each block leaves its partial sums in its own shared memory; after a
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(MM_SPLITS_IN_CLUSTER)
+#define MM_CLUSTERS 1
+// K split over a thread block cluster (sm_90 on, in a kernel that defines MM_SPLITS_IN_CLUSTER): the
+// host may launch the splits of each feature group and token tile as one cluster of (1, splits, 1)
+// blocks, so split s is the cluster's block s. Each block leaves its partial sums in its own shared memory; after a
 // cluster barrier the blocks read each other's (distributed shared memory) and add them in split
 // order, in fp32, the finish kernel's arithmetic: the same bits, without the finish launch (about
 // 4 µs a call on an H100) or a workspace.
@@ -227,14 +228,22 @@ __device__ __forceinline__ void add_splits_in_cluster(const float (&acc)[NT8][4]
     }
     cluster_sync();  // no block leaves, taking its shared memory, while another still reads it
 }
+#else
+#define MM_CLUSTERS 0
 #endif
 
 // The epilogue. Accumulator (i, c) of lane (g, t): feature n_lo (c < 2) or n_hi = n_lo + 8,
-// token m0 + 8i + 2t + (c & 1). With one split the output (+ bias) is written here; with more,
-// this split's slice of `partial` [splits, M, N], which matmul_4bit_finish adds in split order.
+// token m0 + 8i + 2t + (c & 1). With one split the output (+ bias) is written here; launched as
+// clusters of the splits, the cluster adds them (add_splits_in_cluster, through `scratch`: shared
+// memory the main loop is done with); else this split's slice of `partial` [splits, M, N], which
+// matmul_4bit_finish adds in split order.
 __device__ __forceinline__ void store_tile(const float (&acc)[NT8][4], int n_lo, i64 m0, int t, i64 M, int N,
                                            float* __restrict__ partial, const elem_t* __restrict__ bias,
-                                           elem_t* __restrict__ out) {
+                                           elem_t* __restrict__ out, float* scratch) {
+#if MM_CLUSTERS
+    if (cluster_blocks() > 1) return add_splits_in_cluster(acc, n_lo, m0, t, M, N, bias, out, scratch);
+#endif
+    (void)scratch;
     const bool direct = gridDim.y == 1;
     float* slice = partial + (i64)blockIdx.y * M * N;
 #pragma unroll

@@ -25,6 +25,9 @@
 // code's top bit, for the low and the high bytes, then two to pair the bytes into operand
 // registers: 2 prmt and about 0.6 other integer instructions per weight.
 #define STEP_K 256  // k one warp covers per step: 64 per lane
+// Its splits of K may run as clusters that add them (sm_90 on): compiled into the wide tiles' kernels
+// the cluster epilogue made their main loops 2-6% slower at 16-32 rows (kernels/NOTES.md).
+#define MM_SPLITS_IN_CLUSTER
 #include "matmul_4bit_common.cuh"
 
 #if MM_TOKENS != 8
@@ -267,9 +270,6 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
         run_split<false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                          bs2_log2);
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the stages");
-    if (cluster_blocks() > 1) return add_splits_in_cluster(acc, n_lo, m0, t, M, N, bias, out, reinterpret_cast<float*>(s_act));
-#endif
-    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);
+    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));
 }

@@ -500,6 +500,11 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     for path, kernel in zip(source[2:], mm.kernels, strict=True):
         path.write_text(planted.planted_source((JUDGE_ROOT / kernel).read_text(), 0.05, target=mm))
         assert "PLANTED_ON 1" in path.read_text() and "gridDim.x * gridDim.y * gridDim.z" in path.read_text()
+    for path, target in ((source[0], dq), *((path, mm) for path in source[2:])):
+        # Every launch reaches the stretch: no way out of the kernel body before it (a cluster's
+        # early return once skipped it, and the planted slowdown shrank to nothing there).
+        body = path.read_text().split(target.entry)[1].split("PLANTED SLOWDOWN: the last block")[0]
+        assert "return" not in body, path.name
     assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()
     variants = [(path, KernelVariant("nf4", out, True)) for path in source[:2] for out in ("fp16", "fp32")]
     variants += [

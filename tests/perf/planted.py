@@ -45,7 +45,7 @@ TARGETS = {
         tuple(Path("kernels") / f"matmul_4bit{name}.cu" for name in ("_m8", "", "_sm90")),
         'extern "C" __global__ void __launch_bounds__(',
         "    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n",
-        "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out);\n}\n",
+        "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));\n}\n",
         "0",  # no fp32-output build
     ),
 }
