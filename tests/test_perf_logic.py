@@ -177,6 +177,17 @@ def test_baseline_from_several_sessions_and_no_churn(tmp_path):
     assert len(changed) == 2 and '"a"' in changed[1]  # the session count and case a
 
 
+def test_a_baseline_says_the_fewest_sessions_any_entry_stands_on(tmp_path):
+    path = baseline.save([_record({"a": 200.0})] * 4, tmp_path)
+    assert json.loads(path.read_text())["sessions"] == 4
+    baseline.save([_record({"b": 10.0})] * 2, tmp_path)  # a new case from 2 sessions beside a's 4
+    assert json.loads(path.read_text())["sessions"] == 2
+    baseline.save([_record({"c": 10.0})] * 4, tmp_path)  # a and b keep theirs
+    assert json.loads(path.read_text())["sessions"] == 2
+    baseline.save([_record({"a": 300.0, "b": 20.0, "c": 20.0})] * 3, tmp_path)  # every entry re-recorded
+    assert json.loads(path.read_text())["sessions"] == 3
+
+
 def test_drift_tolerance_and_check(tmp_path):
     baseline.save([_record({"a": 200.0, "b": 100.0}), _record({"a": 200.0, "b": 110.0})], tmp_path)
     stored, line = baseline.load(GPU, tmp_path)

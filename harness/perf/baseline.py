@@ -165,6 +165,9 @@ def save(records: Iterable[dict], directory: Path) -> Path:
         if data.get("schema") == SCHEMA:
             old = _entries(data)
     merged = merge(old, entries)
+    if any(merged[case] == entry for case, entry in old.items()):
+        # One count for the file: the fewest sessions any of its entries stands on.
+        sessions = min(sessions, data["sessions"])
     if merged != old or not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         path.write_text(render(gpu, sessions, merged))
