@@ -153,7 +153,7 @@ MAX_SPLITS = 16
 # many waves as the blocks would: the GPU holds fewer clusters at once than blocks / splits (the
 # 8192x8192 weight at one row: 124 clusters of 4 against 128, so 4 ran as a second wave, 30.5 -> 33.4
 # µs), kernels/NOTES.md. At most the portable cluster size. The 8-token kernel only: compiled into
-# the wide tiles' kernels the cluster epilogue made their main loops 2-6% slower at 16-32 rows.
+# the wide tiles' kernels the cluster epilogue made their main loops up to 6% slower at 16-32 rows.
 CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 CLUSTER_SPLITS = 8
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
