@@ -75,7 +75,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
 @pytest.mark.parametrize(
     ("units", "splits", "slots", "fits"),
     [
-        (448, 2, 528, True),  # Llama-3.3-70B gate at one row on an H100: 264 clusters at once, 2 waves either way
+        (448, 2, 528, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
         (128, 4, 528, False),  # its o: 124 clusters at once, so 4 clusters would run as a second wave
         (16, 8, 528, True),  # its k: 16 clusters
         (16, 9, 528, False),  # more splits than the largest cluster
@@ -83,10 +83,10 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     ],
 )
 def test_splits_run_as_clusters_only_in_as_many_waves_as_their_blocks(units, splits, slots, fits):
-    """With the clusters an H100 holds at once (cuOccupancyMaxActiveClusters, 8-token kernel:
-    measured for 2, 4 and 8 splits; the others left out here)."""
-    h100 = (0, 0, 264, 0, 124, 0, 0, 0, 62)
-    assert matmul_kernel.clusters_fit(units, splits, slots, h100) == fits
+    """With the clusters the 8-token kernel's blocks form at once by splits, as the driver reports
+    them on an H200 (cuOccupancyMaxActiveClusters; an H100 reported the same for 2, 4 and 8)."""
+    h200 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+    assert matmul_kernel.clusters_fit(units, splits, slots, h200) == fits
     assert not matmul_kernel.clusters_fit(units, splits, slots, ())  # a GPU without clusters
 
 
