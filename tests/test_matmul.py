@@ -73,21 +73,24 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
 
 
 @pytest.mark.parametrize(
-    ("units", "splits", "slots", "fits"),
+    ("units", "splits", "fits"),
     [
-        (448, 2, 528, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
-        (128, 4, 528, False),  # its o: 124 clusters at once, so 4 clusters would run as a second wave
-        (16, 8, 528, True),  # its k: 16 clusters
-        (16, 9, 528, False),  # more splits than the largest cluster
-        (16, 1, 528, False),  # nothing to add
+        (448, 2, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
+        (128, 2, True),  # its o at 2 splits: 2 x 128 blocks, one wave
+        (128, 4, False),  # its o at 4 (the grid's choice): 124 clusters at once, 4 would run as a second wave
+        (64, 4, False),  # 4 x 64 blocks fit at once, but clusters of 4 in a grid fuller than a block an SM
+        (16, 8, True),  # its k: 128 blocks, at most one an SM
+        (16, 9, False),  # more splits than the largest cluster
+        (16, 1, False),  # nothing to add
     ],
 )
-def test_splits_run_as_clusters_only_in_as_many_waves_as_their_blocks(units, splits, slots, fits):
+def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, fits):
     """With the clusters the 8-token kernel's blocks form at once by splits, as the driver reports
-    them on an H200 (cuOccupancyMaxActiveClusters; an H100 reported the same for 2, 4 and 8)."""
+    them on an H200 (cuOccupancyMaxActiveClusters; an H100 reported the same for 2, 4 and 8), 4
+    blocks an SM on 132 SMs."""
     h200 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
-    assert matmul_kernel.clusters_fit(units, splits, slots, h200) == fits
-    assert not matmul_kernel.clusters_fit(units, splits, slots, ())  # a GPU without clusters
+    assert matmul_kernel.clusters_fit(units, splits, 4, 132, h200) == fits
+    assert not matmul_kernel.clusters_fit(units, splits, 4, 132, ())  # a GPU without clusters
 
 
 def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():

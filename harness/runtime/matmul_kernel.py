@@ -198,7 +198,7 @@ def grid_for(
 
     if tokens != M8_TOKENS:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm * sms, max_clusters))
+        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm, sms, max_clusters))
     fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
 
     def cost(splits: int) -> tuple[int, int]:
@@ -206,15 +206,19 @@ def grid_for(
         return busiest_sm_steps(units * n, per_split, sms), n
 
     n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
-    return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm * sms, max_clusters))
+    return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm, sms, max_clusters))
 
 
-def clusters_fit(units: int, splits: int, slots: int, max_clusters: tuple[int, ...]) -> bool:
-    """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) run in
-    as many waves as their blocks would on their own (``slots`` blocks at once)."""
+def clusters_fit(units: int, splits: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]) -> bool:
+    """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) pay:
+    clusters of 2, or of more where the grid has at most a block an SM (larger clusters in a fuller
+    grid measured 2-25% slower than the finish on an H100, kernels/NOTES.md), and only where they
+    run in as many waves as their blocks would on their own."""
     if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
         return False
-    return -(-units // max_clusters[splits]) <= -(-units * splits // slots)
+    if splits > 2 and units * splits > sms:
+        return False
+    return -(-units // max_clusters[splits]) <= -(-units * splits // (blocks_per_sm * sms))
 
 
 @dataclass(frozen=True)
