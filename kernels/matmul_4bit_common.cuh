@@ -172,10 +172,10 @@ __device__ __forceinline__ elem_t from_float(float v) {
 #define MM_CLUSTERS 1
 // K split over a thread block cluster (sm_90 on, in a kernel that defines MM_SPLITS_IN_CLUSTER): the
 // host may launch the splits of each feature group and token tile as one cluster of (1, splits, 1)
-// blocks, so split s is the cluster's block s. Each block leaves its partial sums in its own shared memory; after a
-// cluster barrier the blocks read each other's (distributed shared memory) and add them in split
-// order, in fp32, the finish kernel's arithmetic: the same bits, without the finish launch (about
-// 4 µs a call on an H100) or a workspace.
+// blocks, so split s is the cluster's block s. Each block leaves its partial sums in its own shared
+// memory; after a cluster barrier the blocks read each other's (distributed shared memory) and add
+// them in split order, in fp32, the finish kernel's arithmetic: the same bits, without the finish
+// launch (about 4 µs a call on an H100) or a workspace.
 __device__ __forceinline__ unsigned cluster_blocks() {
     unsigned n;
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
