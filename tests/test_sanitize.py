@@ -103,3 +103,17 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
             seen.add(("one table per 64 k" if K % 64 == 0 else "a table per 32-k half", partial_step))
     assert {("m8", True, True), ("m8", False, True), ("wide", True, False), ("wide", False, False)} <= seen
     assert {("one table per 64 k", True), ("a table per 32-k half", True)} <= seen
+
+
+def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish():
+    """On Hopper the 8-token kernel's split case adds its splits inside a cluster and the wide
+    kernel's split case through the finish, so the sanitizer sees both ways of adding them (the
+    clusters at once an H100 and an H200 report for the 8-token kernel; wide tiles have none)."""
+    m8_clusters = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+    ways = set()
+    for M, N, K in sanitize.MATMUL_SHAPES:
+        tokens = matmul_kernel.token_tile(M)
+        clusters = m8_clusters if tokens == matmul_kernel.M8_TOKENS else ()
+        grid = matmul_kernel.grid_for(M, N, K, tokens, 4, 132, clusters)
+        ways.add("cluster" if grid.clustered else "finish" if grid.finished else "unsplit")
+    assert ways == {"cluster", "finish", "unsplit"}
