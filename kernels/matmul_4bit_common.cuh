@@ -226,7 +226,10 @@ __device__ __forceinline__ void add_splits_in_cluster(const float (&acc)[NT8][4]
         if (bias) v = __fadd_rn(v, to_float(bias[n]));
         out[(m0 + e / F) * N + n] = from_float(v);
     }
-    cluster_sync();  // no block leaves, taking its shared memory, while another still reads it
+    // No block leaves, taking its shared memory, while another still reads it. A thread's remote
+    // reads are complete here (their sums are stored), so the arrive needs no release: the release
+    // form waits on a GPU-wide fence for the block's output stores first (NOTES: 3-5% at k).
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 #else
 #define MM_CLUSTERS 0
