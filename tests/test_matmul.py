@@ -77,7 +77,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     [
         (448, 2, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
         (128, 2, True),  # its o at 2 splits: 2 x 128 blocks, one wave
-        (128, 4, False),  # its o at 4 (the grid's choice): 124 clusters at once, 4 would run as a second wave
+        (128, 4, False),  # its o at 4: 124 clusters at once, 4 would run as a second wave
         (64, 4, False),  # 4 x 64 blocks fit at once, but clusters of 4 in a grid fuller than a block an SM
         (16, 8, True),  # its k: 128 blocks, at most one an SM
         (16, 9, False),  # more splits than the largest cluster
@@ -91,6 +91,28 @@ def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, f
     h200 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
     assert matmul_kernel.clusters_fit(units, splits, 4, 132, h200) == fits
     assert not matmul_kernel.clusters_fit(units, splits, 4, 132, ())  # a GPU without clusters
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "splits", "clustered"),
+    [
+        (8192, 8192, 2, True),  # finished, 4 splits of 8 steps; 2 in a cluster measured 7% faster
+        (4096, 4096, 2, True),  # 4 of 4 -> 2 of 8: 13% faster
+        (8192, 5120, 2, True),  # 4 of 5 -> 2 of 10: 7% faster
+        (4096, 14336, 8, False),  # 2 of 28 steps, as many on the busiest SM: 5% slower
+        (8192, 28672, 4, False),  # 2 of 56: 1-4% slower
+        (5120, 8192, 8, False),  # 2 would put 32 steps on the busiest SM against 20
+        (1024, 8192, 8, True),  # clusters of 8 already
+    ],
+)
+def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N, K, splits, clustered):
+    """At one and at 8 rows, on an H100's 132 SMs and its clusters at once (kernels/NOTES.md)."""
+    h100 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+    for M in (1, 8):
+        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132, h100)
+        assert (g.splits, g.clustered) == (splits, clustered)
+        # Without clusters the grid is the finish's, whatever its size.
+        assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132).clustered
 
 
 def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():

@@ -162,6 +162,12 @@ CLUSTER_SPLITS = 8
 MIN_SPLIT_STEPS = 4
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
+# Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
+# split of the two runs at most this many: the finish launch (about 4 µs on an H100) then costs more
+# than running half the blocks an SM. Measured at one and 8 rows: 8192x8192 31.0 -> 28.8 µs (16 steps
+# a split), 4096x4096 15.6 -> 13.5 (8), 8192x5120 22.6 -> 20.9 (10); but 4096x14336 28.2 -> 29.7 (28)
+# and 8192x28672 79.7 -> 80.4 (56) (kernels/NOTES.md).
+CLUSTER_PAIR_STEPS = 16
 
 
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
@@ -183,7 +189,9 @@ def grid_for(
     its busiest SM: K is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds
     at once (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose
     busiest SM runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs,
-    unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8.
+    unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8. Where
+    that split needs the finish, two splits added in a cluster take its place if their busiest SM
+    runs no more steps and a split at most ``CLUSTER_PAIR_STEPS``.
 
     The wider tiles measured slower under that rule (M = 32 in the A/B gate, kernels/NOTES.md), and
     more splits cost them partial sums M times larger: they take as many splits as fit beside each
@@ -205,8 +213,14 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
-    n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
-    return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm, sms, max_clusters))
+    splits = min(range(fill, min(cap, 2 * fill) + 1), key=cost)
+    n, per_split = shape(splits)
+    clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
+    pair_steps = shape(2)[1]
+    if n > 2 and not clustered and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(splits)[0]:
+        if clusters_fit(units, 2, blocks_per_sm, sms, max_clusters):
+            n, per_split, clustered = 2, pair_steps, True
+    return Grid((groups, n, tiles), per_split, clustered)
 
 
 def clusters_fit(units: int, splits: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]) -> bool:
