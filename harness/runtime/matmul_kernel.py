@@ -164,7 +164,7 @@ MIN_SPLIT_STEPS = 4
 FILL = 0.9
 # Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
 # split of the two runs at most this many: the finish launch (about 4 µs on an H100) then costs more
-# than running half the blocks an SM. Measured at one and 8 rows: 8192x8192 31.0 -> 28.8 µs (16 steps
+# than running half the blocks an SM. Measured at one row (8 alike): 8192x8192 31.0 -> 28.8 µs (16 steps
 # a split), 4096x4096 15.6 -> 13.5 (8), 8192x5120 22.6 -> 20.9 (10); but 4096x14336 28.2 -> 29.7 (28)
 # and 8192x28672 79.7 -> 80.4 (56) (kernels/NOTES.md).
 CLUSTER_PAIR_STEPS = 16
