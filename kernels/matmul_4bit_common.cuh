@@ -193,6 +193,11 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// Every block of the cluster has arrived; orders no memory (no fence before the arrive).
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // `p` (this block's shared memory) in the cluster's block `block`.
 __device__ __forceinline__ float load_in_block(const float* p, unsigned block) {
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -229,7 +234,7 @@ __device__ __forceinline__ void add_splits_in_cluster(const float (&acc)[NT8][4]
     // No block leaves, taking its shared memory, while another still reads it. A thread's remote
     // reads are complete here (their sums are stored), so the arrive needs no release: the release
     // form waits on a GPU-wide fence for the block's output stores first (NOTES: 3-5% at k).
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+    cluster_sync_relaxed();
 }
 #else
 #define MM_CLUSTERS 0

@@ -72,6 +72,11 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
         assert busiest <= 1.15 * groups * tiles * steps / sms, (g, busiest)
 
 
+# Clusters of s splits of the 8-token kernel a GPU holds at once, index s, as the driver reports them
+# (cuOccupancyMaxActiveClusters) on an H100 and an H200 alike: 4 blocks an SM on 132 SMs.
+HOPPER_CLUSTERS = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+
+
 @pytest.mark.parametrize(
     ("units", "splits", "fits"),
     [
@@ -85,11 +90,8 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     ],
 )
 def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, fits):
-    """With the clusters the 8-token kernel's blocks form at once by splits, as the driver reports
-    them on an H200 and an H100 alike (cuOccupancyMaxActiveClusters), 4
-    blocks an SM on 132 SMs."""
-    h200 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
-    assert matmul_kernel.clusters_fit(units, splits, 4, 132, h200) == fits
+    """On a Hopper GPU's clusters at once."""
+    assert matmul_kernel.clusters_fit(units, splits, 4, 132, HOPPER_CLUSTERS) == fits
     assert not matmul_kernel.clusters_fit(units, splits, 4, 132, ())  # a GPU without clusters
 
 
@@ -106,10 +108,9 @@ def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, f
     ],
 )
 def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N, K, splits, clustered):
-    """At one and at 8 rows, on an H100's 132 SMs and its clusters at once (kernels/NOTES.md)."""
-    h100 = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+    """At one and at 8 rows, on a Hopper GPU's clusters at once (measured on an H100, kernels/NOTES.md)."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132, h100)
+        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132, HOPPER_CLUSTERS)
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
         assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132).clustered

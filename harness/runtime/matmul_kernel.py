@@ -217,9 +217,14 @@ def grid_for(
     n, per_split = shape(splits)
     clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
     pair_steps = shape(2)[1]
-    if n > 2 and not clustered and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(splits)[0]:
-        if clusters_fit(units, 2, blocks_per_sm, sms, max_clusters):
-            n, per_split, clustered = 2, pair_steps, True
+    if (
+        n > 2
+        and not clustered
+        and pair_steps <= CLUSTER_PAIR_STEPS
+        and cost(2)[0] <= cost(splits)[0]
+        and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
+    ):
+        n, per_split, clustered = 2, pair_steps, True
     return Grid((groups, n, tiles), per_split, clustered)
 
 
