@@ -9,6 +9,8 @@
 //   MM_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
 //   MM_TOKENS  tokens per warp tile (8 for matmul_4bit_m8.cu; 16, 32 or 64 for the wide-tile kernels)
 //   MM_WARPS   warps per block (each owns 16 output features)
+//   MM_CLUSTER_SPLITS  the most splits of K a thread block cluster adds (0: the kernel has no cluster
+//              epilogue; harness/runtime/matmul_kernel.py's CLUSTER_SPLITS says which kernels do)
 // Host contract (harness/runtime/matmul_kernel.py checks it before launching): K % 32 == 0,
 // W, A and bias 16-byte aligned, block size >= 32, an fp32 workspace of splits * M * N when K is
 // split (none needed otherwise).
@@ -22,8 +24,9 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#if !defined(MM_DTYPE) || !defined(MM_QUANT) || !defined(MM_NESTED) || !defined(MM_TOKENS) || !defined(MM_WARPS)
-#error "MM_DTYPE, MM_QUANT, MM_NESTED, MM_TOKENS and MM_WARPS must be defined by the compile spec"
+#if !defined(MM_DTYPE) || !defined(MM_QUANT) || !defined(MM_NESTED) || !defined(MM_TOKENS) || !defined(MM_WARPS) || \
+    !defined(MM_CLUSTER_SPLITS)
+#error "MM_DTYPE, MM_QUANT, MM_NESTED, MM_TOKENS, MM_WARPS and MM_CLUSTER_SPLITS must be defined by the compile spec"
 #endif
 
 typedef long long i64;
@@ -168,10 +171,13 @@ __device__ __forceinline__ elem_t from_float(float v) {
     const float offset = 0.0f
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(MM_SPLITS_IN_CLUSTER)
+#if MM_CLUSTER_SPLITS > 1 && __CUDA_ARCH__ < 900
+#error "thread block clusters need sm_90 or later"
+#endif
+#if MM_CLUSTER_SPLITS > 1
 #define MM_CLUSTERS 1
-// K split over a thread block cluster (sm_90 on, in a kernel that defines MM_SPLITS_IN_CLUSTER): the
-// host may launch the splits of each feature group and token tile as one cluster of (1, splits, 1)
+// K split over a thread block cluster (sm_90 on, where the compile spec asks for it): the host may
+// launch the splits of each feature group and token tile as one cluster of (1, splits, 1)
 // blocks, so split s is the cluster's block s. Each block leaves its partial sums in its own shared
 // memory; after a cluster barrier the blocks read each other's (distributed shared memory) and add
 // them in split order, in fp32, the finish kernel's arithmetic: the same bits, without the finish

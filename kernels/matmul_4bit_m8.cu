@@ -25,9 +25,6 @@
 // code's top bit, for the low and the high bytes, then two to pair the bytes into operand
 // registers: 2 prmt and about 0.6 other integer instructions per weight.
 #define STEP_K 256  // k one warp covers per step: 64 per lane
-// Its splits of K may run as clusters that add them (sm_90 on): compiled into the wide tiles' kernels
-// the cluster epilogue made their main loops up to 6% slower at 16-32 rows (kernels/NOTES.md).
-#define MM_SPLITS_IN_CLUSTER
 #include "matmul_4bit_common.cuh"
 
 #if MM_TOKENS != 8

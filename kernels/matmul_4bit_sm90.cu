@@ -131,7 +131,8 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
 }
 
 // Grid and workspace as matmul_4bit.cu's (x = groups of MM_WARPS * 16 features, y = splits of K,
-// z = token tiles; partial sums added by matmul_4bit_finish in split order).
+// z = token tiles; partial sums added by matmul_4bit_finish in split order), except that at 64
+// tokens (MM_CLUSTER_SPLITS 2) two splits may run as a cluster that adds them (add_splits_in_cluster).
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
     __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
@@ -208,5 +209,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         cur = next;
     }
     settle(acc);
+    static_assert(!MM_CLUSTERS || sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float),
+                  "the splits' sums borrow the stages");
     store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));
 }

@@ -213,6 +213,13 @@ BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, ((0, 2), (96 * 128, 32))
 MAX_CLUSTERS = (0, 0, 260, 170, 130, 1, 1, 1, 1)
 
 
+def _clusters(tokens: int, max_clusters: tuple[int, ...]) -> tuple[int, ...]:
+    """The stand-in GPU's clusters at once for a token tile's kernel, as a Hopper plan has them:
+    only for the kernels compiled with the cluster epilogue, up to their size."""
+    sizes = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).cluster_splits("sm_90")
+    return max_clusters[: sizes + 1] if sizes and max_clusters else ()
+
+
 @pytest.fixture(scope="module", params=[(), MAX_CLUSTERS], ids=["no-clusters", "clusters"])
 def matmul_entry(module, entry, request):
     """The compiled matmul entry on a stand-in GPU without thread block clusters (splits added by
@@ -220,8 +227,9 @@ def matmul_entry(module, entry, request):
     ``max_clusters`` rides along."""
 
     def plan_only(dtype, quant, nested, tokens, device):
-        threads = matmul_kernel.threads(matmul_kernel.TOKEN_TILES[tokens])
-        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS, request.param)
+        tile = matmul_kernel.TOKEN_TILES[tokens]
+        threads = matmul_kernel.threads(tile)
+        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS, _clusters(tile, request.param))
 
     compiled = host_launcher.configure_matmul(
         module, entry, plan_only, crossover=lambda device: CROSSOVER, launch_kernel_ex=1
@@ -248,7 +256,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         return None
     M, main_slots = A.numel() // K, compiled[3] if compiled else (0,) * 16
     tokens = matmul_kernel.token_tile(M)
-    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS, max_clusters)
+    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS, _clusters(tokens, max_clusters))
     target = out if out is not None else _AtAddress(main_slots[9])
     main_args, finish_args = matmul.launch_of(A, checked, bias, target, grid, main_slots[7])
     packed = []

@@ -20,7 +20,7 @@ import harness
 from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
-from harness.errors import DequantizeInputError
+from harness.errors import DequantizeInputError, KernelCompileError
 from harness.runtime import api, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 
@@ -114,6 +114,61 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
         assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132).clustered
+
+
+# Clusters of s splits of the Hopper kernel at 64 tokens a GPU holds at once, index s, as the driver
+# reports them on an H100: 2 blocks an SM on 132 SMs, pairs only.
+HOPPER_WIDE_CLUSTERS = (0, 264, 132)
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "M", "splits", "clustered"),
+    [
+        (28672, 8192, 128, 2, True),  # 1 split, 4 blocks on the busiest SM: 262 -> 248 µs in a pair
+        (28672, 8192, 65, 2, True),  # the same grid: 251 -> 235
+        (25600, 5120, 128, 2, True),  # 1 split of 40 steps: 162 -> 159
+        (28672, 8192, 256, 1, False),  # as many steps on the busiest SM either way: 447 against 476
+        (25600, 5120, 256, 1, False),  # 7% fewer, less than the epilogue: 280 against 289
+        (14336, 4096, 128, 1, False),  # as many: 70 against 81
+        (8192, 8192, 128, 2, True),  # the finish's 2 splits, added in the cluster: 77.4 -> 76.1
+        (8192, 8192, 64, 4, False),  # 4 finished splits, 2 blocks an SM; a pair leaves one: 46.0 against 49.6
+        (8192, 28672, 64, 4, False),  # the same: 124 against 143
+        (1024, 8192, 128, 8, False),  # 8 finished splits: clusters of 8 were not measured at 64 tokens
+    ],
+)
+def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, splits, clustered):
+    """At 64 tokens a tile on Hopper (measured on an H100, kernels/NOTES.md); the 16- and 32-token
+    kernels have no cluster epilogue, and without clusters the grid is the one before."""
+    g = matmul_kernel.grid_for(M, N, K, 64, 2, 132, HOPPER_WIDE_CLUSTERS)
+    assert (g.splits, g.clustered) == (splits, clustered)
+    unclustered = matmul_kernel.grid_for(M, N, K, 64, 2, 132)
+    assert not unclustered.clustered and (unclustered.splits == splits or clustered)
+
+
+def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
+    """The 8-token kernel adds up to 8 splits in a cluster from sm_90 on, the Hopper kernel at 64
+    tokens pairs; the others never (the compile spec tells the kernel, MM_CLUSTER_SPLITS)."""
+    from harness.runtime import jit
+
+    sizes = {
+        (tokens, arch): matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).cluster_splits(arch)
+        for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
+    }
+    assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 8, (64, "sm_90"): 2}
+    for tokens, arch in sizes:
+        macros = dict(matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).macros(arch))
+        assert macros["MM_CLUSTER_SPLITS"] == str(sizes[tokens, arch])
+
+
+def test_a_kernel_asked_for_clusters_below_sm_90_does_not_compile():
+    """The cluster epilogue's PTX needs sm_90: the kernel refuses the macro rather than the driver."""
+    from harness.runtime import jit
+
+    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, 8)
+    spec = matmul_kernel.spec_for(variant, "sm_80")
+    asked = dataclasses.replace(spec, macros=tuple((k, "8" if k == "MM_CLUSTER_SPLITS" else v) for k, v in spec.macros))
+    with pytest.raises(KernelCompileError, match="thread block clusters need sm_90"):
+        jit.compile_kernel(asked, use_cache=False)
 
 
 def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():
@@ -263,24 +318,36 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("M", "dtype", "bias"), [(1, torch.bfloat16, False), (3, torch.float16, True), (8, torch.bfloat16, True)]
+    ("M", "dtype", "bias"),
+    [
+        (1, torch.bfloat16, False),
+        (3, torch.float16, True),
+        (8, torch.bfloat16, True),
+        (40, torch.float16, True),  # the 64-token tile, 40 rows of it
+        (100, torch.bfloat16, False),  # two 64-token tiles, the second 36 rows
+    ],
 )
 def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, dtype, bias):
-    """Where the GPU has thread block clusters, the 8-token kernel's splits of K add themselves
-    inside their cluster, in split order with the finish kernel's fp32 adds: the same bits as the
-    finish (features past N and the bias included). Elsewhere, and for the wider tiles, the finish
-    adds them."""
+    """Where the GPU has thread block clusters, the kernels with the cluster epilogue (the 8-token
+    one; on Hopper the 64-token one, in pairs) add their splits of K inside their cluster, in split
+    order with the finish kernel's fp32 adds: the same bits as the finish (features past N, tokens
+    past M and the bias included). Elsewhere, and for the other tiles, the finish adds them."""
     N, K, tokens = 330, 4096, matmul_kernel.token_tile(M)
     variant = matmul_kernel.MatmulVariant(matmul._NAMES[dtype], "nf4", True, tokens)
     plan = matmul_kernel.plan(variant, cuda.index)
-    grid = plan.grid(M, N, K, tokens)
-    has_clusters = int(launcher.device_arch(cuda.index)[3:]) >= matmul_kernel.CLUSTER_ARCH
-    assert bool(plan.max_clusters) == has_clusters and grid.splits > 1, "the case must split K"
+    sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
+    assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)
     wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 16), cuda.index)
     assert wide.max_clusters == () and not wide.grid(16, N, K, 16).clustered
-    if not has_clusters:
-        assert grid.finished, "a split K without clusters is the finish's"
+    grid = plan.grid(M, N, K, tokens)
+    assert grid.splits > 1, "the case must split K"
+    if not sizes:
+        assert grid.finished, "a split K without the cluster epilogue is the finish's"
         return
+    if tokens != matmul_kernel.M8_TOKENS:  # this small weight's grid is 5 finished splits: take a pair
+        steps = -(-K // matmul_kernel.step_k(tokens))
+        grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
+        monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)
     assert grid.clustered, "the case's splits must run as clusters"
     B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)

@@ -525,7 +525,8 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     ]
     for path, v in variants:
         arch = "sm_90a" if path == source[4] else "sm_90"  # the Hopper kernel's wgmma
-        spec = jit.CompileSpec(source=path, arch=arch, macros=v.macros(), label=v.name)
+        macros = v.macros("sm_90") if isinstance(v, MatmulVariant) else v.macros()
+        spec = jit.CompileSpec(source=path, arch=arch, macros=macros, label=v.name)
         assert jit.compile_kernel(spec, use_cache=False).cubin
     with pytest.raises(ValueError, match="anchor"):
         planted.planted_source(original.replace(dq.start, ""), 0.02)

@@ -106,14 +106,14 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
 
 
 def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish():
-    """On Hopper the 8-token kernel's split case adds its splits inside a cluster and the wide
-    kernel's split case through the finish, so the sanitizer sees both ways of adding them (the
-    clusters at once an H100 and an H200 report for the 8-token kernel; wide tiles have none)."""
-    m8_clusters = (0, 528, 264, 163, 124, 94, 79, 69, 62)
+    """On Hopper the split cases of both kernels with the cluster epilogue (8 and 64 tokens) add
+    their splits inside a cluster and the 16-token one's through the finish, so the sanitizer sees
+    both ways of adding them (the clusters at once and blocks an SM an H100 and an H200 report)."""
+    hopper = {8: (4, (0, 528, 264, 163, 124, 94, 79, 69, 62)), 64: (2, (0, 264, 132))}
     ways = set()
     for M, N, K in sanitize.MATMUL_SHAPES:
         tokens = matmul_kernel.token_tile(M)
-        clusters = m8_clusters if tokens == matmul_kernel.M8_TOKENS else ()
-        grid = matmul_kernel.grid_for(M, N, K, tokens, 4, 132, clusters)
-        ways.add("cluster" if grid.clustered else "finish" if grid.finished else "unsplit")
-    assert ways == {"cluster", "finish", "unsplit"}
+        per_sm, clusters = hopper.get(tokens, (4, ()))
+        grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, 132, clusters)
+        ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
+    assert {(8, "cluster"), (64, "cluster"), (16, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways

@@ -72,13 +72,22 @@ class MatmulVariant:
             return SOURCE_SM90, WGMMA_TARGETS[arch]
         return SOURCE_WIDE, arch
 
-    def macros(self) -> tuple[tuple[str, str], ...]:
+    def cluster_splits(self, arch: str) -> int:
+        """The most splits of K one thread block cluster adds in this variant's kernel on a GPU of
+        ``arch`` (0: the splits are the finish kernel's)."""
+        if int(arch[3:]) < CLUSTER_ARCH:
+            return 0
+        return CLUSTER_SPLITS.get((self.build(arch)[0], self.tokens), 0)
+
+    def macros(self, arch: str) -> tuple[tuple[str, str], ...]:
+        """The compile macros of this variant's kernel on a GPU of ``arch``."""
         return (
             ("MM_DTYPE", str(DTYPES.index(self.dtype))),
             ("MM_QUANT", str(QUANT_TYPES.index(self.quant_type))),
             ("MM_NESTED", "1" if self.nested else "0"),
             ("MM_TOKENS", str(self.tokens)),
             ("MM_WARPS", str(self.warps)),
+            ("MM_CLUSTER_SPLITS", str(self.cluster_splits(arch))),
         )
 
 
@@ -89,7 +98,7 @@ def all_variants() -> list[MatmulVariant]:
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
     """The compile spec of ``variant`` for a GPU of ``arch``."""
     source, target = variant.build(arch)
-    return launcher.source_spec(source, target, variant.macros(), variant.name)
+    return launcher.source_spec(source, target, variant.macros(arch), variant.name)
 
 
 def step_k(tokens: int) -> int:
@@ -152,10 +161,13 @@ MAX_SPLITS = 16
 # finish launch (about 4 µs a call on an H100) and no workspace. Only where the clusters fit in as
 # many waves as the blocks would: the GPU holds fewer clusters at once than blocks / splits (the
 # 8192x8192 weight at one row: 124 clusters of 4 against 128, so 4 ran as a second wave, 30.5 -> 33.4
-# µs), kernels/NOTES.md. At most the portable cluster size. The 8-token kernel only: compiled into
-# the wide tiles' kernels the cluster epilogue made their main loops up to 6% slower at 16-32 rows.
+# µs), kernels/NOTES.md.
 CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
-CLUSTER_SPLITS = 8
+# The kernels compiled with the cluster epilogue, by (source, token tile): the most splits a cluster
+# adds. The 8-token kernel up to the portable cluster size; the Hopper kernel at 64 tokens in pairs
+# (the only size measured there). Compiled into the 16- and 32-token kernels the epilogue made their
+# main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
+CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 8, (SOURCE_SM90, 64): 2}
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes).
@@ -168,6 +180,11 @@ FILL = 0.9
 # a split), 4096x4096 15.6 -> 13.5 (8), 8192x5120 22.6 -> 20.9 (10); but 4096x14336 28.2 -> 29.7 (28)
 # and 8192x28672 79.7 -> 80.4 (56) (kernels/NOTES.md).
 CLUSTER_PAIR_STEPS = 16
+# The wide tiles' pair: 2 clustered splits replace a grid where their busiest SM runs fewer steps,
+# counting the cluster's epilogue (adding 64 tokens' partial sums) as this many steps. Fit to 24 grids
+# of Llama-3.1-8B, Llama-3.3-70B and Qwen3-32B weights at 64-256 rows on an H100, against the pair:
+# with it the rule picks the faster grid in 23 and the 24th is a tie (kernels/NOTES.md).
+CLUSTER_EPILOGUE_STEPS = 2.5
 
 
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
@@ -204,14 +221,24 @@ def grid_for(
         per_split = -(-steps // splits)
         return -(-steps // per_split), per_split
 
-    if tokens != M8_TOKENS:
-        n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, blocks_per_sm, sms, max_clusters))
-    fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
-
     def cost(splits: int) -> tuple[int, int]:
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
+
+    if tokens != M8_TOKENS:
+        n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
+        clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
+        pair_n, pair_steps = shape(2)
+        if (
+            not clustered
+            and pair_n == 2
+            and pair_steps >= MIN_SPLIT_STEPS
+            and busiest_sm_steps(2 * units, pair_steps + CLUSTER_EPILOGUE_STEPS, sms) < cost(n)[0]
+            and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
+        ):
+            n, per_split, clustered = 2, pair_steps, True
+        return Grid((groups, n, tiles), per_split, clustered)
+    fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
 
     splits = min(range(fill, min(cap, 2 * fill) + 1), key=cost)
     n, per_split = shape(splits)
@@ -264,9 +291,8 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
         block = threads(variant.tokens)
         per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
-        clusters = ()
-        if variant.tokens == M8_TOKENS and int(launcher.device_arch(device_index)[3:]) >= CLUSTER_ARCH:
-            clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(CLUSTER_SPLITS + 1))
+        sizes = variant.cluster_splits(launcher.device_arch(device_index))
+        clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
         hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index), clusters)
     return hit
 
