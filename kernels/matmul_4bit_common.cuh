@@ -85,6 +85,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fi
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(fill ? 16 : 0));
 }
 
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int kPending>
@@ -156,11 +161,17 @@ __device__ __forceinline__ elem_t from_float(float v) {
 
 // A kernel's first statements: `s_code2` (nested: the scales' code book, staged in shared memory
 // so a scale is a shared-memory read, not a dependent global one) and `offset`, from the kernel's
-// code2, offset_ptr and offset_value parameters. The kernel synchronizes before using them.
+// code2, offset_ptr and offset_value parameters. The book is copied by cp.async, committed with the
+// first cp.async group the kernel commits: a plain load and store held every thread's first weight
+// loads back by the book's round trip to memory (the store waits for the load, and ptxas kept the
+// weight loads after it), a memory latency of every block. The kernel waits for its cp.async groups
+// and synchronizes before using them.
 #if MM_NESTED
-#define MM_SCALES_PROLOGUE                                                                  \
-    __shared__ float s_code2[256];                                                         \
-    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32) s_code2[i] = __ldg(code2 + i); \
+static_assert(256 % (MM_WARPS * 32) == 0, "the block's threads copy the code book in equal shares");
+#define MM_SCALES_PROLOGUE                                                 \
+    __shared__ float s_code2[256];                                        \
+    for (int i = threadIdx.x, n = 0; n < 256 / (MM_WARPS * 32); ++n, i += MM_WARPS * 32) \
+        cp_async4(s_code2 + i, code2 + i);                                \
     const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value
 #else
 #define MM_SCALES_PROLOGUE             \

@@ -137,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
     __shared__ __align__(16) float s_code[16];
     __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
     MM_SCALES_PROLOGUE;
+    cp_async_commit();  // the scales' code book: this kernel's only cp.async group
     if (threadIdx.x == 0) stage_code_table(s_code);
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -169,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         StepWeights next;
         load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2,
                   bs2_log2);
+        cp_async_wait<0>();  // the code book (nothing is pending after the first step)
         // The tile was written through the generic proxy; the tensor cores read it through the async one.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // This step's tile (and, the first time, the code tables) visible to every warp, and every
