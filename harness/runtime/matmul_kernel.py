@@ -212,7 +212,9 @@ def grid_for(
 
     The wider tiles measured slower under that rule (M = 32 in the A/B gate, kernels/NOTES.md), and
     more splits cost them partial sums M times larger: they take as many splits as fit beside each
-    other in one wave (a grid just over one wave would run its few extra blocks as a second wave)."""
+    other in one wave (a grid just over one wave would run its few extra blocks as a second wave).
+    Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
+    busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), -(-K // step_k(tokens))
     cap = max(1, min(steps // MIN_SPLIT_STEPS, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
