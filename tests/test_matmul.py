@@ -23,6 +23,7 @@ from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import DequantizeInputError, KernelCompileError
 from harness.runtime import api, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
+from tests import hopper_plans as hopper
 
 # Rows every GPU fuses, whatever the weight: the smallest entry of any crossover table.
 FUSED_EVERYWHERE = min(most for table in (*CROSSOVER_M.values(), DEFAULT_CROSSOVER_M) for _, most in table)
@@ -72,11 +73,6 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
         assert busiest <= 1.15 * groups * tiles * steps / sms, (g, busiest)
 
 
-# Clusters of s splits of the 8-token kernel a GPU holds at once, index s, as the driver reports them
-# (cuOccupancyMaxActiveClusters) on an H100 and an H200 alike: 4 blocks an SM on 132 SMs.
-HOPPER_CLUSTERS = (0, 528, 264, 163, 124, 94, 79, 69, 62)
-
-
 @pytest.mark.parametrize(
     ("units", "splits", "fits"),
     [
@@ -91,8 +87,8 @@ HOPPER_CLUSTERS = (0, 528, 264, 163, 124, 94, 79, 69, 62)
 )
 def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, fits):
     """On a Hopper GPU's clusters at once."""
-    assert matmul_kernel.clusters_fit(units, splits, 4, 132, HOPPER_CLUSTERS) == fits
-    assert not matmul_kernel.clusters_fit(units, splits, 4, 132, ())  # a GPU without clusters
+    assert matmul_kernel.clusters_fit(units, splits, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS) == fits
+    assert not matmul_kernel.clusters_fit(units, splits, hopper.M8_PER_SM, hopper.SMS, ())  # a GPU without clusters
 
 
 @pytest.mark.parametrize(
@@ -110,15 +106,10 @@ def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, f
 def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N, K, splits, clustered):
     """At one and at 8 rows, on a Hopper GPU's clusters at once (measured on an H100, kernels/NOTES.md)."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132, HOPPER_CLUSTERS)
+        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
-        assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, 4, 132).clustered
-
-
-# Clusters of s splits of the Hopper kernel at 64 tokens a GPU holds at once, index s, as the driver
-# reports them on an H100: 2 blocks an SM on 132 SMs, pairs only.
-HOPPER_WIDE_CLUSTERS = (0, 264, 132)
+        assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS).clustered
 
 
 @pytest.mark.parametrize(
@@ -139,9 +130,9 @@ HOPPER_WIDE_CLUSTERS = (0, 264, 132)
 def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, splits, clustered):
     """At 64 tokens a tile on Hopper (measured on an H100, kernels/NOTES.md); the 16- and 32-token
     kernels have no cluster epilogue, and without clusters the grid is the one before."""
-    g = matmul_kernel.grid_for(M, N, K, 64, 2, 132, HOPPER_WIDE_CLUSTERS)
+    g = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS)
     assert (g.splits, g.clustered) == (splits, clustered)
-    unclustered = matmul_kernel.grid_for(M, N, K, 64, 2, 132)
+    unclustered = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS)
     assert not unclustered.clustered and (unclustered.splits == splits or clustered)
 
 

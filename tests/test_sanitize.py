@@ -7,6 +7,7 @@ import pytest
 
 from harness.correctness import sanitize
 from harness.runtime import matmul_kernel
+from tests import hopper_plans as hopper
 
 REPORT = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "not found" on CUDA API call to cuGetProcAddress.
@@ -109,11 +110,11 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     """On Hopper the split cases of both kernels with the cluster epilogue (8 and 64 tokens) add
     their splits inside a cluster and the 16-token one's through the finish, so the sanitizer sees
     both ways of adding them (the clusters at once and blocks an SM an H100 and an H200 report)."""
-    hopper = {8: (4, (0, 528, 264, 163, 124, 94, 79, 69, 62)), 64: (2, (0, 264, 132))}
+    plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
     ways = set()
     for M, N, K in sanitize.MATMUL_SHAPES:
         tokens = matmul_kernel.token_tile(M)
-        per_sm, clusters = hopper.get(tokens, (4, ()))
-        grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, 132, clusters)
+        per_sm, clusters = plans.get(tokens, (4, ()))
+        grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters)
         ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
     assert {(8, "cluster"), (64, "cluster"), (16, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways

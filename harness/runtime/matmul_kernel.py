@@ -227,32 +227,21 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
+    # Two splits added in a cluster: what each kernel's grid below may give way to.
+    pair_n, pair_steps = shape(2)
+    pair_fits = pair_n == 2 and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
     if tokens != M8_TOKENS:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
-        pair_n, pair_steps = shape(2)
-        if (
-            not clustered
-            and pair_n == 2
-            and pair_steps >= MIN_SPLIT_STEPS
+        pair_pays = (
+            pair_steps >= MIN_SPLIT_STEPS
             and busiest_sm_steps(2 * units, pair_steps + CLUSTER_EPILOGUE_STEPS, sms) < cost(n)[0]
-            and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
-        ):
-            n, per_split, clustered = 2, pair_steps, True
-        return Grid((groups, n, tiles), per_split, clustered)
-    fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
-
-    splits = min(range(fill, min(cap, 2 * fill) + 1), key=cost)
-    n, per_split = shape(splits)
+        )
+    else:
+        fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
+        n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
+        pair_pays = n > 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
     clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
-    pair_steps = shape(2)[1]
-    if (
-        n > 2
-        and not clustered
-        and pair_steps <= CLUSTER_PAIR_STEPS
-        and cost(2)[0] <= cost(splits)[0]
-        and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
-    ):
+    if not clustered and pair_fits and pair_pays:
         n, per_split, clustered = 2, pair_steps, True
     return Grid((groups, n, tiles), per_split, clustered)
 

@@ -1,0 +1,11 @@
+"""What the driver reports for the fused matmul kernels' plans on an H100 and an H200 alike (132
+SMs): blocks an SM and clusters of s splits held at once, index s (cuOccupancyMaxActiveClusters),
+for the kernels with the cluster epilogue. The grid tests run the split rules on these."""
+
+from __future__ import annotations
+
+SMS = 132
+# The 8-token kernel: 4 blocks an SM, clusters of up to 8 splits.
+M8_PER_SM, M8_CLUSTERS = 4, (0, 528, 264, 163, 124, 94, 79, 69, 62)
+# The Hopper kernel at 64 tokens: 2 blocks an SM, pairs only (matmul_kernel.CLUSTER_SPLITS).
+WIDE64_PER_SM, WIDE64_CLUSTERS = 2, (0, 264, 132)
