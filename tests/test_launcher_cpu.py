@@ -1,5 +1,5 @@
-"""The launch path's CPU-side pieces: argument packing, the kernel signature it packs for, and
-the size-based tiling choice. No GPU needed."""
+"""The launch path's CPU-side pieces: argument packing, the clustered launches' configurations,
+the kernel signature it packs for, and the size-based tiling choice. No GPU needed."""
 
 from __future__ import annotations
 
@@ -45,6 +45,32 @@ def test_params_array_points_at_the_slots():
     slots = np.frombuffer(packer._slots.tobytes(), dtype=np.uint64)
     assert packer.params == packer._slots.__array_interface__["data"][0]
     assert slots.tolist() == [base + 8 * i for i in range(len(KERNEL_PARAMS))]
+
+
+def test_a_cluster_launch_config_is_reused_only_for_its_own_grid_block_stream_and_cluster():
+    from harness.runtime import launcher
+
+    driver = launcher._bind_driver()
+    streams = {h: driver.CUstream(h) for h in (0, 0x1234)}
+
+    def config(grid=(4, 8, 1), block=128, handle=0, cluster_y=2):
+        return launcher.cluster_launch_config(driver, grid, block, handle, streams[handle], cluster_y)
+
+    def fields(c):
+        dims = c.attrs[0].value.clusterDim
+        return (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, int(c.hStream), (dims.x, dims.y, dims.z))
+
+    first = config()
+    assert config() is first
+    assert fields(first) == (4, 8, 1, 128, 0, (1, 2, 1))
+    others = {
+        (4, 8, 2, 128, 0, (1, 2, 1)): config(grid=(4, 8, 2)),
+        (4, 8, 1, 256, 0, (1, 2, 1)): config(block=256),
+        (4, 8, 1, 128, 0x1234, (1, 2, 1)): config(handle=0x1234),
+        (4, 8, 1, 128, 0, (1, 4, 1)): config(cluster_y=4),
+    }
+    for expected, other in others.items():
+        assert other is not first and fields(other) == expected
 
 
 def test_out_of_range_values_are_refused_not_truncated():

@@ -186,10 +186,29 @@ def launch(
         if cluster_y == 1:
             (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
         else:
-            config = _cluster_config(driver, gx, gy, gz, block, stream, cluster_y)
+            config = cluster_launch_config(driver, (gx, gy, gz), block, stream_handle, stream, cluster_y)
             (err,) = driver.cuLaunchKernelEx(config, loaded.handle, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
         raise launch_error(loaded.label, err)
+
+
+# cuLaunchKernelEx's configurations by (grid, block, stream handle, cluster): building one is a
+# dozen binding calls (an attribute, a config, their fields) every clustered launch paid. The driver
+# only reads a config, so threads share them. The keys a model uses are few (its weight shapes
+# times its token counts); past the bound the cache starts over.
+_cluster_configs: dict[tuple, object] = {}
+_CLUSTER_CONFIGS_KEPT = 1024
+
+
+def cluster_launch_config(driver, grid: tuple[int, int, int], block: int, stream_handle: int, stream, cluster_y: int):
+    """The configuration of a launch of ``grid`` as (1, cluster_y, 1) clusters on ``stream``
+    (the CUstream of ``stream_handle``), built once per key."""
+    key = (*grid, block, stream_handle, cluster_y)
+    if (config := _cluster_configs.get(key)) is None:
+        if len(_cluster_configs) >= _CLUSTER_CONFIGS_KEPT:
+            _cluster_configs.clear()
+        config = _cluster_configs[key] = _cluster_config(driver, *grid, block, stream, cluster_y)
+    return config
 
 
 def max_clusters(loaded: LoadedKernel, block: int, cluster: tuple[int, int, int]) -> int:
