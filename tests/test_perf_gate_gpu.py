@@ -97,11 +97,15 @@ def _status(session: PerfSession) -> int:
 
 
 # What each attack must end in, and how the sides are measured for it: the timer's checks catch
-# the first two; a process for each side keeps the third from reaching the base (the status is
-# not asserted there: sessions of a process per side shift by about 1%, kernels/NOTES.md, "The
-# sides' processes", so an unchanged candidate can end SLOWER; what the attack aims for, a
-# FASTER, must not come); the judge's process, apart from every side's, the fourth; the judge's
-# file guard catches the fifth.
+# the first two; a process for each side keeps the third from reaching the base (neither the status
+# nor the verdicts are asserted there: sessions of a process per side shift by about 1%,
+# kernels/NOTES.md, "The sides' processes", so an unchanged candidate can end SLOWER or FASTER on
+# a small case; what is asserted is that no base carries the attack's 100 µs a call, which on the
+# attack's cases of a few µs reads as a ratio under 0.2); the judge's process, apart from every
+# side's, the fourth; the judge's file guard catches the fifth.
+# Candidate over base: a base slowed by the reach-base attack's 100 µs a call reads under 0.2 on the
+# attack's cases; the sides' processes shift by a few percent.
+REACH_RATIO_FLOOR = 0.5
 ATTACK_OUTCOMES = {
     "memoise": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
     "side-stream": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
@@ -120,10 +124,11 @@ def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_s
     verdicts = {cid: j.verdict for cid, j in session.judgements.items()}
     assert set(verdicts) == set(ATTACK_CASE_IDS)
     status = _status(session)
-    assert status != gate.EXIT_OK or Verdict.FASTER not in verdicts.values(), verdicts  # never a green FASTER
-    if expected is None:
-        assert Verdict.FASTER not in verdicts.values(), verdicts
+    if expected is None:  # the base out of reach: no ratio carries the attack's slowdown of it
+        ratios = {cid: j.ratio for cid, j in session.judgements.items()}
+        assert min(ratios.values()) > REACH_RATIO_FLOOR, ratios
     else:
+        assert status != gate.EXIT_OK or Verdict.FASTER not in verdicts.values(), verdicts  # never a green FASTER
         assert status == expected, (verdicts, session.judge_changed)
     if expected == gate.EXIT_OK:
         assert set(verdicts.values()) == {Verdict.SAME}, verdicts
