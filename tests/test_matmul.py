@@ -74,21 +74,26 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
 
 
 @pytest.mark.parametrize(
-    ("units", "splits", "fits"),
+    ("units", "splits", "steps", "fits"),
     [
-        (448, 2, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
-        (128, 2, True),  # its o at 2 splits: 2 x 128 blocks, one wave
-        (128, 4, False),  # its o at 4: 124 clusters at once, 4 would run as a second wave
-        (64, 4, False),  # 4 x 64 blocks fit at once, but clusters of 4 in a grid fuller than a block an SM
-        (16, 8, True),  # its k: 128 blocks, at most one an SM
-        (16, 9, False),  # more splits than the largest cluster
-        (16, 1, False),  # nothing to add
+        (448, 2, 16, True),  # Llama-3.3-70B gate at one row: 264 clusters at once, 2 waves either way
+        (128, 2, 16, True),  # its o at 2 splits: 2 x 128 blocks, one wave
+        (128, 4, 8, False),  # its o at 4: 124 clusters at once, 4 would run as a second wave
+        (80, 4, 4, False),  # 320 blocks fit at once, but clusters of 4 in a grid of more than 2 blocks an SM
+        (16, 8, 4, True),  # its k: 128 blocks, at most one an SM
+        (8, 16, 7, True),  # 512x28672: 128 blocks, at most one an SM, whatever the split: 15.7 -> 15.4 µs
+        (32, 8, 4, True),  # 2048x8192: 256 blocks, 2 an SM, splits of 4 steps: 14.5 -> 14.2 µs
+        (16, 16, 4, True),  # Llama-3.1-405B's k: 256 blocks in 16 non-portable clusters: 16.6 -> 14.4 µs
+        (16, 16, 8, False),  # 1024x32768: 256 blocks, splits of 8 steps: 21.3 -> 22.0 µs
+        (16, 17, 4, False),  # more splits than the largest cluster
+        (16, 1, 32, False),  # nothing to add
     ],
 )
-def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, fits):
+def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, steps, fits):
     """On a Hopper GPU's clusters at once."""
-    assert matmul_kernel.clusters_fit(units, splits, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS) == fits
-    assert not matmul_kernel.clusters_fit(units, splits, hopper.M8_PER_SM, hopper.SMS, ())  # a GPU without clusters
+    plan = (hopper.M8_PER_SM, hopper.SMS)
+    assert matmul_kernel.clusters_fit(units, splits, steps, *plan, hopper.M8_CLUSTERS) == fits
+    assert not matmul_kernel.clusters_fit(units, splits, steps, *plan, ())  # a GPU without clusters
 
 
 @pytest.mark.parametrize(
@@ -136,8 +141,33 @@ def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, sp
     assert not unclustered.clustered and (unclustered.splits == splits or clustered)
 
 
+@pytest.mark.parametrize(
+    ("N", "K", "splits"),
+    [
+        (1024, 16384, 16),  # Llama-3.1-405B's k and v: 16.6 -> 14.4 µs at one row
+        (512, 14336, 14),  # 13.5 -> 11.1
+        (1536, 8192, 8),  # 14.1 -> 11.7
+        (2048, 5120, 5),  # 14.0 -> 11.2
+    ],
+)
+def test_more_splits_run_as_a_cluster_where_the_grid_holds_at_most_2_blocks_an_sm(N, K, splits):
+    """Finished grids of 3-16 splits of 4-5 steps at up to 2 blocks an SM measured faster as
+    clusters on an H100 (kernels/NOTES.md); with more blocks or longer splits, and where a pair
+    pays, they do not become clusters."""
+    for M in (1, 8):
+        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        assert (g.splits, g.clustered) == (splits, True)
+        assert g.blocks[0] * splits <= matmul_kernel.LARGE_CLUSTER_BLOCKS_PER_SM * hopper.SMS
+        portable = hopper.M8_CLUSTERS[: matmul_kernel.PORTABLE_CLUSTER_BLOCKS + 1]  # without the driver's leave
+        g8 = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, portable)
+        assert g8.splits == splits and g8.clustered == (splits <= matmul_kernel.PORTABLE_CLUSTER_BLOCKS)
+    for N, K, splits in ((2560, 8192, 8), (1024, 28672, 16)):  # 320 blocks; 256 with splits of 7 steps
+        g = matmul_kernel.grid_for(1, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        assert (g.splits, g.clustered) == (splits, False), (N, K)
+
+
 def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
-    """The 8-token kernel adds up to 8 splits in a cluster from sm_90 on, the Hopper kernel at 64
+    """The 8-token kernel adds up to 16 splits in a cluster from sm_90 on, the Hopper kernel at 64
     tokens pairs; the others never (the compile spec tells the kernel, MM_CLUSTER_SPLITS)."""
     from harness.runtime import jit
 
@@ -145,7 +175,7 @@ def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
         (tokens, arch): matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).cluster_splits(arch)
         for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
     }
-    assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 8, (64, "sm_90"): 2}
+    assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 16, (64, "sm_90"): 2}
     for tokens, arch in sizes:
         macros = dict(matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).macros(arch))
         assert macros["MM_CLUSTER_SPLITS"] == str(sizes[tokens, arch])
@@ -309,25 +339,29 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("M", "dtype", "bias"),
+    ("M", "K", "dtype", "bias"),
     [
-        (1, torch.bfloat16, False),
-        (3, torch.float16, True),
-        (8, torch.bfloat16, True),
-        (40, torch.float16, True),  # the 64-token tile, 40 rows of it
-        (100, torch.bfloat16, False),  # two 64-token tiles, the second 36 rows
+        (1, 4096, torch.bfloat16, False),
+        (3, 4096, torch.float16, True),
+        (8, 4096, torch.bfloat16, True),
+        (5, 16384, torch.bfloat16, True),  # 16 splits: a cluster past the portable size of 8
+        (40, 4096, torch.float16, True),  # the 64-token tile, 40 rows of it
+        (100, 4096, torch.bfloat16, False),  # two 64-token tiles, the second 36 rows
     ],
 )
-def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, dtype, bias):
+def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, K, dtype, bias):
     """Where the GPU has thread block clusters, the kernels with the cluster epilogue (the 8-token
-    one; on Hopper the 64-token one, in pairs) add their splits of K inside their cluster, in split
-    order with the finish kernel's fp32 adds: the same bits as the finish (features past N, tokens
-    past M and the bias included). Elsewhere, and for the other tiles, the finish adds them."""
-    N, K, tokens = 330, 4096, matmul_kernel.token_tile(M)
+    one, up to 16 splits; on Hopper the 64-token one, in pairs) add their splits of K inside their
+    cluster, in split order with the finish kernel's fp32 adds: the same bits as the finish
+    (features past N, tokens past M and the bias included). Elsewhere, and for the other tiles, the
+    finish adds them."""
+    N, tokens = 330, matmul_kernel.token_tile(M)
     variant = matmul_kernel.MatmulVariant(matmul._NAMES[dtype], "nf4", True, tokens)
     plan = matmul_kernel.plan(variant, cuda.index)
     sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)
+    # The driver took the 8-token kernel's leave to run clusters past the portable size.
+    assert not sizes or plan.max_clusters[sizes] > 0, plan.max_clusters
     wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 16), cuda.index)
     assert wide.max_clusters == () and not wide.grid(16, N, K, 16).clustered
     grid = plan.grid(M, N, K, tokens)
@@ -340,6 +374,7 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
         grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)
     assert grid.clustered, "the case's splits must run as clusters"
+    assert grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS or K != 16384, grid
     B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)
     b = torch.randn(N, device=cuda).to(dtype) if bias else None

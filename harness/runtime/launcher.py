@@ -220,6 +220,19 @@ def max_clusters(loaded: LoadedKernel, block: int, cluster: tuple[int, int, int]
     return 0 if err else int(count)
 
 
+def allow_nonportable_clusters(loaded: LoadedKernel) -> bool:
+    """Let ``loaded`` run as clusters of more than the portable 8 blocks (sm_90 on: an H100 holds
+    clusters of up to 16). Whether the driver took it: where it did not, ``max_clusters`` reads 0
+    for those sizes, so no grid asks for them."""
+    driver = _driver or _bind_driver()
+    err, device = driver.cuDeviceGet(loaded.device_index)
+    if not err:
+        # A library-loaded kernel takes its attributes per device (cuFuncSetAttribute refuses it).
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        (err,) = driver.cuKernelSetAttribute(attribute, 1, loaded.handle, device)
+    return not err
+
+
 def _cluster_config(driver, gx: int, gy: int, gz: int, block: int, stream, cluster_y: int):
     """cuLaunchKernelEx's configuration for a grid of (1, cluster_y, 1) clusters."""
     attribute = driver.CUlaunchAttribute()

@@ -164,10 +164,19 @@ MAX_SPLITS = 16
 # µs), kernels/NOTES.md.
 CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 # The kernels compiled with the cluster epilogue, by (source, token tile): the most splits a cluster
-# adds. The 8-token kernel up to the portable cluster size; the Hopper kernel at 64 tokens in pairs
+# adds. The 8-token kernel up to MAX_SPLITS (past PORTABLE_CLUSTER_BLOCKS the kernel needs the
+# driver's leave, `launcher.allow_nonportable_clusters`); the Hopper kernel at 64 tokens in pairs
 # (the only size measured there). Compiled into the 16- and 32-token kernels the epilogue made their
 # main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
-CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 8, (SOURCE_SM90, 64): 2}
+CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
+PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
+# Clusters of more than 2 splits pay in grids of at most a block an SM, and of at most this many
+# with splits of at most this many steps. On an H100 (kernels/NOTES.md), against the finish, at one
+# and 8 rows: up to a block an SM 0.71-0.98x its time (10 of 10); up to 2 with splits of 4-5 steps
+# 0.73-1.006x (30 of 30, 15 weights of 768-5120 features), with 7-8 steps 0.97-1.035x (5 of 6
+# slower); in grids of 3-14 blocks an SM (weights of 8192 and 28672 features) 1.00-1.26x.
+LARGE_CLUSTER_BLOCKS_PER_SM = 2
+LARGE_CLUSTER_STEPS = 5
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes).
@@ -229,7 +238,7 @@ def grid_for(
 
     # Two splits added in a cluster: what each kernel's grid below may give way to.
     pair_n, pair_steps = shape(2)
-    pair_fits = pair_n == 2 and clusters_fit(units, 2, blocks_per_sm, sms, max_clusters)
+    pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
     if tokens != M8_TOKENS:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
         pair_pays = (
@@ -240,22 +249,25 @@ def grid_for(
         fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
         n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
         pair_pays = n > 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
-    clustered = clusters_fit(units, n, blocks_per_sm, sms, max_clusters)
-    if not clustered and pair_fits and pair_pays:
-        n, per_split, clustered = 2, pair_steps, True
-    return Grid((groups, n, tiles), per_split, clustered)
+    if pair_fits and pair_pays:  # before a cluster of more splits: the pair measured faster there
+        return Grid((groups, 2, tiles), pair_steps, True)
+    return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
 
 
-def clusters_fit(units: int, splits: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]) -> bool:
+def clusters_fit(
+    units: int, splits: int, steps_per_split: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
+) -> bool:
     """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) pay:
-    clusters of 2, or of more where the grid has at most a block an SM (larger clusters in a fuller
-    grid measured 2-25% slower than the finish on an H100, kernels/NOTES.md), and only where they
-    run in as many waves as their blocks would on their own."""
+    clusters of 2, or of more where the grid has at most a block an SM, or at most
+    ``LARGE_CLUSTER_BLOCKS_PER_SM`` with splits of at most ``LARGE_CLUSTER_STEPS`` steps; and only
+    where they run in as many waves as their blocks would on their own."""
     if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
         return False
-    if splits > 2 and units * splits > sms:
-        return False
-    return -(-units // max_clusters[splits]) <= -(-units * splits // (blocks_per_sm * sms))
+    blocks = units * splits
+    if splits > 2 and blocks > sms:
+        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or steps_per_split > LARGE_CLUSTER_STEPS:
+            return False
+    return -(-units // max_clusters[splits]) <= -(-blocks // (blocks_per_sm * sms))
 
 
 @dataclass(frozen=True)
@@ -283,6 +295,8 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         block = threads(variant.tokens)
         per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
         sizes = variant.cluster_splits(launcher.device_arch(device_index))
+        if sizes > PORTABLE_CLUSTER_BLOCKS:
+            launcher.allow_nonportable_clusters(main)
         clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
         hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index), clusters)
     return hit
