@@ -166,6 +166,37 @@ def test_more_splits_run_as_a_cluster_where_the_grid_holds_at_most_2_blocks_an_s
         assert (g.splits, g.clustered) == (splits, False), (N, K)
 
 
+@pytest.mark.gpu
+def test_a_plan_made_on_a_thread_without_a_cuda_context_leaves_it_without_one(cuda, monkeypatch):
+    """The driver answers a plan's questions (blocks an SM, clusters at once) only in a context: a
+    thread that never used CUDA has none, and has none after. Its plan is the one made here."""
+    import threading
+
+    from cuda.bindings import driver
+
+    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.M8_TOKENS)
+    seen: dict = {}
+
+    def plan_on_a_new_thread():
+        try:
+            seen["before"] = int(driver.cuCtxGetCurrent()[1])
+            seen["plan"] = matmul_kernel.plan(variant, cuda.index)
+            seen["after"] = int(driver.cuCtxGetCurrent()[1])
+        except Exception as e:  # raised again on the test's thread
+            seen["error"] = e
+
+    monkeypatch.setattr(matmul_kernel, "_plans", {})  # asked again, not read from the cache
+    thread = threading.Thread(target=plan_on_a_new_thread)
+    thread.start()
+    thread.join()
+    if "error" in seen:
+        raise seen["error"]
+    assert seen["before"] == 0 and seen["after"] == 0
+    monkeypatch.setattr(matmul_kernel, "_plans", {})
+    here = matmul_kernel.plan(variant, cuda.index)
+    assert (seen["plan"].blocks_per_sm, seen["plan"].max_clusters) == (here.blocks_per_sm, here.max_clusters)
+
+
 def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
     """The 8-token kernel adds up to 16 splits in a cluster from sm_90 on, the Hopper kernel at 64
     tokens pairs; the others never (the compile spec tells the kernel, MM_CLUSTER_SPLITS)."""

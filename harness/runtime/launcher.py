@@ -101,14 +101,25 @@ def load_spec(
     with _lock:
         if (hit := _loaded.get(key)) is not None:
             return hit
-        from cuda.core import Device, ObjectCode
+        from cuda.core import ObjectCode
 
-        with _current_context_kept():
-            Device(device_index).set_current()  # the primary context, which PyTorch uses too
+        with device_context(device_index):
             compiled = jit.compile_kernel(spec_of(device_arch(device_index)))
             kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
         loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds), kernel.handle)
         return loaded
+
+
+@contextlib.contextmanager
+def device_context(device_index: int):
+    """GPU ``device_index``'s primary context (the one PyTorch uses) current on this thread inside,
+    the thread's own after: what loading a kernel and asking the driver about it (occupancy,
+    clusters at once) need, from any thread, whatever context it has or lacks."""
+    from cuda.core import Device
+
+    with _current_context_kept():
+        Device(device_index).set_current()
+        yield
 
 
 @contextlib.contextmanager

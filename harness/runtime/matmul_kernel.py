@@ -293,11 +293,12 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         main = launcher.load_spec(variant.name, spec, ENTRY, device_index, MAIN_PARAMS)
         finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
         block = threads(variant.tokens)
-        per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
         sizes = variant.cluster_splits(launcher.device_arch(device_index))
-        if sizes > PORTABLE_CLUSTER_BLOCKS:
-            launcher.allow_nonportable_clusters(main)
-        clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
+        with launcher.device_context(device_index):  # the driver's answers need the GPU's context
+            per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
+            if sizes > PORTABLE_CLUSTER_BLOCKS:
+                launcher.allow_nonportable_clusters(main)
+            clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
         hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index), clusters)
     return hit
 
