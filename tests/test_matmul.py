@@ -85,6 +85,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
         (32, 8, 4, True),  # 2048x8192: 256 blocks, 2 an SM, splits of 4 steps: 14.5 -> 14.2 µs
         (16, 16, 4, True),  # Llama-3.1-405B's k: 256 blocks in 16 non-portable clusters: 16.6 -> 14.4 µs
         (16, 16, 8, False),  # 1024x32768: 256 blocks, splits of 8 steps: 21.3 -> 22.0 µs
+        (80, 3, 4, False),  # 5120x3072: 240 blocks in 80 clusters: 0.92-1.06x the finish's time
         (16, 17, 4, False),  # more splits than the largest cluster
         (16, 1, 32, False),  # nothing to add
     ],

@@ -170,13 +170,15 @@ CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 # main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
 CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
 PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
-# Clusters of more than 2 splits pay in grids of at most a block an SM, and of at most this many
-# with splits of at most this many steps. On an H100 (kernels/NOTES.md), against the finish, at one
-# and 8 rows: up to a block an SM 0.71-0.98x its time (10 of 10); up to 2 with splits of 4-5 steps
-# 0.73-1.006x (30 of 30, 15 weights of 768-5120 features), with 7-8 steps 0.97-1.035x (5 of 6
-# slower); in grids of 3-14 blocks an SM (weights of 8192 and 28672 features) 1.00-1.26x.
+# Clusters of more than 2 splits pay in grids of at most a block an SM; and of at most this many
+# blocks an SM, clusters and steps a split. Against the finish, at one and 8 rows (kernels/NOTES.md):
+# up to a block an SM 0.71-0.98x its time (10 of 10, H100); up to 2 with splits of 4-5 steps and up
+# to 48 clusters 0.73-0.98x (26 of 26 on an H100; 11 of 12 on an H200, the other 1.012x);
+# 80 clusters of 3 splits 0.92-1.06x (4 of 8 slower); with splits of 7-8 steps 0.97-1.035x (5 of 6
+# slower, H100); in grids of 3-14 blocks an SM (weights of 8192 and 28672 features) 1.00-1.26x.
 LARGE_CLUSTER_BLOCKS_PER_SM = 2
 LARGE_CLUSTER_STEPS = 5
+LARGE_CLUSTER_UNITS = 64
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes).
@@ -259,13 +261,15 @@ def clusters_fit(
 ) -> bool:
     """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) pay:
     clusters of 2, or of more where the grid has at most a block an SM, or at most
-    ``LARGE_CLUSTER_BLOCKS_PER_SM`` with splits of at most ``LARGE_CLUSTER_STEPS`` steps; and only
-    where they run in as many waves as their blocks would on their own."""
+    ``LARGE_CLUSTER_BLOCKS_PER_SM`` in at most ``LARGE_CLUSTER_UNITS`` clusters with splits of at
+    most ``LARGE_CLUSTER_STEPS`` steps; and only where they run in as many waves as their blocks
+    would on their own."""
     if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
         return False
     blocks = units * splits
     if splits > 2 and blocks > sms:
-        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or steps_per_split > LARGE_CLUSTER_STEPS:
+        small = units <= LARGE_CLUSTER_UNITS and steps_per_split <= LARGE_CLUSTER_STEPS
+        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or not small:
             return False
     return -(-units // max_clusters[splits]) <= -(-blocks // (blocks_per_sm * sms))
 
