@@ -218,8 +218,9 @@ def grid_for(
     at once (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose
     busiest SM runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs,
     unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8. Where
-    that split needs the finish, two splits added in a cluster take its place if their busiest SM
-    runs no more steps and a split at most ``CLUSTER_PAIR_STEPS``.
+    that split has more than 2 parts, two splits added in a cluster take its place (before its own
+    cluster, where it would have one) if their busiest SM runs no more steps and a split at most
+    ``CLUSTER_PAIR_STEPS``.
 
     The wider tiles measured slower under that rule (M = 32 in the A/B gate, kernels/NOTES.md), and
     more splits cost them partial sums M times larger: they take as many splits as fit beside each
