@@ -353,6 +353,23 @@ def bnb_paths(session: nox.Session) -> None:
     session.run(_python(session), "-m", "harness.perf.bnb_paths", f"--out={out}", *session.posargs, env=_gpu_env())
 
 
+@nox.session(name="grid-sweep", venv_params=["--system-site-packages"], default=False)
+def grid_sweep(session: nox.Session) -> None:
+    """The fused matmul's grid rules against every grid its kernels run, per catalog weight (GPU only).
+
+    Fails where the rules' grid is more than ``--tolerance`` (5%) slower than the fastest or any
+    grid's output is out of bound: run it on a GPU the rules were not fit on. ``-- --replay FILE``
+    judges a recorded sweep with this checkout's rules, no GPU needed; reports land in
+    ``NF4_HARNESS_PERF_OUT`` (perf-out).
+    """
+    if not gpu_count() and "--replay" not in " ".join(session.posargs):
+        session.error("nox -s grid-sweep needs an NVIDIA GPU (or -- --replay FILE): none is visible on this machine")
+    _install(session, "test", "perf", torch=True)
+    out = Path(session.invoked_from) / SETTINGS.PERF_OUT.get()
+    env = _gpu_env() if gpu_count() else None  # a replay launches nothing
+    session.run(_python(session), "-m", "harness.perf.grid_sweep", f"--out={out}", *session.posargs, env=env)
+
+
 @nox.session(venv_params=["--system-site-packages"], default=False)
 def sanitize(session: nox.Session) -> None:
     """compute-sanitizer memcheck, racecheck, synccheck and initcheck over the kernel's reduced matrix (GPU only).

@@ -54,7 +54,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     tokens = matmul_kernel.token_tile(M)
     g = matmul_kernel.grid_for(M, N, K, tokens, per_sm, sms)
     groups, splits, tiles = g.blocks
-    steps = -(-K // matmul_kernel.step_k(tokens))
+    steps = matmul_kernel.steps_of(K, tokens)
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
     assert groups * matmul_kernel.features_per_block(tokens) >= N and tiles * tokens >= M
     assert splits <= matmul_kernel.MAX_SPLITS and not g.clustered  # no clusters on this GPU
@@ -402,7 +402,7 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
         assert grid.finished, "a split K without the cluster epilogue is the finish's"
         return
     if tokens != matmul_kernel.M8_TOKENS:  # this small weight's grid is 5 finished splits: take a pair
-        steps = -(-K // matmul_kernel.step_k(tokens))
+        steps = matmul_kernel.steps_of(K, tokens)
         grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)
     assert grid.clustered, "the case's splits must run as clusters"

@@ -30,6 +30,7 @@ def test_sessions_are_listed_with_one_line_help():
         "correctness": True,
         "perf": False,  # opt-in: needs a GPU
         "bnb-paths": False,  # opt-in: needs a GPU
+        "grid-sweep": False,  # opt-in: needs a GPU, or a recorded sweep to replay
         "sanitize": False,  # opt-in: needs a GPU
     }
     assert all(help_text.strip() for _, help_text in sessions.values())

@@ -215,13 +215,28 @@ def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int) -> matmul_k
     return matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, nested, matmul_kernel.token_tile(M))
 
 
-def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
+def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.Tensor:
+    """``fused_matmul`` through the Python path on ``grid`` instead of the one the rules pick
+    (``harness.perf.grid_sweep`` times every grid the kernel runs). Raises ValueError for a grid
+    the kernel cannot run on this call and GPU (``matmul_kernel.Plan.runs``)."""
+    fields, nested = api.quant_state_args(quant_state)
+    if not takes(A, B, fields, max_rows=_ANY_ROWS):
+        _fail("the fused kernel does not take this call (see matmul.takes)")
+    call = api.check_call(B, *fields[:4], A.dtype, **nested)
+    (N, K), M = call.shape, A.numel() // call.shape[1]
+    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), A.device.index)
+    if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
+        raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
+    return _fused(A, B, fields, nested, None, None, N, K, grid)
+
+
+def _fused(A, B, fields, nested, bias, out, N: int, K: int, grid: matmul_kernel.Grid | None = None) -> torch.Tensor:
     call = api.check_call(B, *fields[:4], A.dtype, **nested)  # the weight's rules: the dequantization call's
     direct = writes_directly(out, A, N)
     target = out if direct else A.new_empty((*A.shape[:-1], N))
     device, M = A.device.index, A.numel() // K
     p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), device)
-    grid = p.grid(M, N, K, matmul_kernel.token_tile(M))
+    grid = grid or p.grid(M, N, K, matmul_kernel.token_tile(M))
     workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
     main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
     launcher.on_gpu(device, lambda stream: matmul_kernel.launch(p, grid, stream, main_args, finish_args, M, N))

@@ -106,6 +106,11 @@ def step_k(tokens: int) -> int:
     return STEP_K_M8 if tokens == M8_TOKENS else STEP_K_WIDE
 
 
+def steps_of(K: int, tokens: int) -> int:
+    """Steps of ``step_k(tokens)`` k a grid covers for K."""
+    return -(-K // step_k(tokens))
+
+
 def threads(tokens: int) -> int:
     """Threads a block of the kernel for this token tile runs."""
     return WARPS[tokens] * 32
@@ -227,7 +232,7 @@ def grid_for(
     other in one wave (a grid just over one wave would run its few extra blocks as a second wave).
     Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
     busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
-    groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), -(-K // step_k(tokens))
+    groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), steps_of(K, tokens)
     cap = max(1, min(steps // MIN_SPLIT_STEPS, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
 
@@ -286,6 +291,20 @@ class Plan:
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
         return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters)
+
+    def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
+        """Whether the main kernel computes a call on ``grid``, picked by the rules or not: a block
+        for every feature group and token tile, every step of K in one split and no split empty,
+        and clusters only of the sizes its epilogue adds and this GPU holds."""
+        groups, splits, tiles = grid.blocks
+        per_split, steps = grid.steps_per_split, steps_of(K, tokens)
+        return (
+            groups == -(-N // features_per_block(tokens))
+            and tiles == -(-M // tokens)
+            and per_split > 0
+            and (splits - 1) * per_split < steps <= splits * per_split
+            and (not grid.clustered or (1 < splits < len(self.max_clusters) and self.max_clusters[splits] > 0))
+        )
 
 
 _plans: dict[tuple, Plan] = {}

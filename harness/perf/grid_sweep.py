@@ -1,0 +1,199 @@
+"""Whether the fused matmul's grid rules pick a fast grid on this GPU.
+
+The rules that split K (``matmul_kernel.grid_for``: how many splits, finished by a second kernel or
+added inside a thread block cluster) were fit to H100 measurements of a few models' weights
+(kernels/NOTES.md). For each weight of the shapes catalog and each row count, this times the rules'
+grid against every other grid the kernel runs (K in 1 to ``MAX_SPLITS`` splits, each finished or,
+where the GPU holds such clusters, clustered), GPU time with a cold L2, and judges every grid's
+output against the fp64 reference: a grid the rules never pick must still compute the right result.
+
+    python -m harness.perf.grid_sweep --out DIR [--shape NAME=NxK ...] [--rows 1,8,64] [--tolerance 0.05]
+    python -m harness.perf.grid_sweep --out DIR --replay RECORDED/grid-sweep.json   (no GPU)
+
+Exit status 1 where the rules' grid is slower than the fastest by more than the tolerance, or any
+grid's output is out of bound: on a GPU the rules were not fit on, run this before trusting them.
+Each case is recorded with every grid's time and what the rules read of the GPU, so ``--replay``
+judges a changed rule against a recorded sweep without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from harness.correctness import cases, shapes
+from harness.correctness import matmul_reference as mr
+from harness.perf import gpu_info, gpu_timer
+from harness.runtime import api, matmul, matmul_kernel
+
+ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
+TOLERANCE = 0.05  # the rules' grid may be this much slower than the fastest
+# A case times 10-30 grids: a shorter budget than the timer's default (a median of at least 10
+# cold-L2 samples; the grids that matter differ by more than their noise).
+STOP = gpu_timer.StopRule(max_noise=0.01, min_samples=10, budget_s=0.25)
+
+
+def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: int) -> list[matmul_kernel.Grid]:
+    """The rules' grid first, then every other grid ``plan``'s kernel runs for the call: K in 1 to
+    ``MAX_SPLITS`` splits of whole steps (no empty one), each finished, and clustered where
+    ``plan.runs`` allows it."""
+    groups, tiles = -(-N // matmul_kernel.features_per_block(tokens)), -(-M // tokens)
+    steps = matmul_kernel.steps_of(K, tokens)
+    grids = [plan.grid(M, N, K, tokens)]
+    for wanted in range(1, min(matmul_kernel.MAX_SPLITS, steps) + 1):
+        per_split = -(-steps // wanted)
+        for clustered in (False, True):
+            grid = matmul_kernel.Grid((groups, -(-steps // per_split), tiles), per_split, clustered)
+            if grid not in grids and plan.runs(grid, M, N, K, tokens):
+                grids.append(grid)
+    return grids
+
+
+def grid_name(grid: matmul_kernel.Grid) -> str:
+    """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f)."""
+    if grid.splits == 1:
+        return f"1 x {grid.steps_per_split}"
+    return f"{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
+
+
+def plan_inputs(plan: matmul_kernel.Plan) -> dict:
+    """What ``grid_for`` reads of a plan besides the call: recorded with each case, so a rule can be
+    replayed against the recorded times on any machine (``replay``)."""
+    return {"blocks_per_sm": plan.blocks_per_sm, "sms": plan.sms, "max_clusters": list(plan.max_clusters)}
+
+
+def rules_grid(case: dict) -> matmul_kernel.Grid:
+    """The grid the rules of this checkout pick for a recorded case."""
+    p = case["plan"]
+    return matmul_kernel.grid_for(
+        case["M"], case["N"], case["K"], case["tokens"], p["blocks_per_sm"], p["sms"], tuple(p["max_clusters"])
+    )
+
+
+def case_row(case: dict, tolerance: float) -> dict:
+    """A case's verdict: the rules' grid (``rules_grid``) against the fastest of its timed grids
+    (``case["µs by grid"]``); not ok where that grid is slower than the tolerance allows, was not
+    timed, or any grid's output was out of bound."""
+    times = case["µs by grid"]
+    rule = grid_name(rules_grid(case))
+    best = min(times, key=times.get)
+    rule_us = times.get(rule, math.nan)
+    ratio = rule_us / times[best]
+    return {
+        "layer": case["layer"],
+        "M": case["M"],
+        "rules' grid": rule,
+        "rules µs": rule_us,
+        "fastest grid": best,
+        "fastest µs": times[best],
+        "rules ÷ fastest": ratio,
+        "grids": len(times),
+        "all in bound": case["all in bound"],
+        "ok": ratio <= 1 + tolerance and case["all in bound"],  # a NaN ratio (rules' grid not timed) is not ok
+    }
+
+
+def summary(rows: list[dict], tolerance: float) -> dict:
+    """How often the rules' grid is within the tolerance of the fastest, and how far off at worst."""
+    ratios = [row["rules ÷ fastest"] for row in rows]
+    return {
+        "cases": len(rows),
+        f"rules within {tolerance:.0%} of the fastest": sum(r <= 1 + tolerance for r in ratios),
+        "rules' grid the fastest": sum(row["rules' grid"] == row["fastest grid"] for row in rows),
+        "worst rules ÷ fastest": max(ratios, default=math.nan),
+        "geomean rules ÷ fastest": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else math.nan,
+        "cases out of bound": sum(not row["all in bound"] for row in rows),
+    }
+
+
+def time_grids(timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids) -> tuple[dict, bool]:
+    """({grid name: GPU µs}, every grid's output in bound) for one call."""
+    times, in_bound = {}, True
+    with torch.no_grad():
+        for grid in grids:
+
+            def run(grid=grid):
+                return matmul.fused_matmul_on_grid(x, B.t(), qs, grid)
+
+            in_bound &= mr.judge(run(), reference).ok
+            times[grid_name(grid)] = timer.measure(run).median_s * 1e6
+    return times, in_bound
+
+
+def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str, tuple[int, int]], rows) -> list[dict]:
+    """Every case (weight, rows) with its plan's inputs and every grid's time."""
+    out = []
+    for layer, (N, K) in weights.items():
+        B, qs = cases.quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=5, device=device)
+        W = api.dequantize_4bit(B, qs)
+        for M in rows:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M))
+            plan = matmul_kernel.plan(variant, device.index)
+            grids = candidate_grids(plan, M, N, K, variant.tokens)
+            times, in_bound = time_grids(timer, x, B, qs, mr.reference(x, W, None, torch.bfloat16), grids)
+            case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens}
+            out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
+            print(json.dumps(out[-1]), flush=True)
+        del B, qs, W
+        torch.cuda.empty_cache()
+    return out
+
+
+def report(recorded: dict, tolerance: float, out: Path) -> int:
+    """Judge the recorded cases with this checkout's rules; write the report beside them; 0 where
+    every case is ok."""
+    rows = [case_row(case, tolerance) for case in recorded["cases"]]
+    result = recorded | {"summary": summary(rows, tolerance), "verdicts": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grid-sweep.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = tabulate(rows, headers="keys", floatfmt=".4g", tablefmt="github")
+    text += "\n\n" + tabulate([result["summary"]], headers="keys", floatfmt=".4g", tablefmt="github")
+    (out / "grid-sweep.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+def catalog_weights() -> dict[str, tuple[int, int]]:
+    """Every distinct 2-D weight shape of the shapes catalog's models."""
+    return {s.id: s.shape for s in shapes.model_shapes() if len(s.shape) == 2}
+
+
+def _shape(text: str) -> tuple[str, tuple[int, int]]:
+    name, _, dims = text.partition("=")
+    n, _, k = dims.partition("x")
+    return name, (int(n), int(k))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.perf.grid_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", type=_shape, action="append", help="NAME=NxK (repeatable; default: the catalog's)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE)
+    parser.add_argument(
+        "--replay", type=Path, help="a recorded grid-sweep.json: judge its times with this checkout's rules (no GPU)"
+    )
+    args = parser.parse_args(argv)
+    if args.replay:
+        recorded = json.loads(args.replay.read_text())
+        return report({k: recorded[k] for k in ("machine", "cases")}, args.tolerance, args.out)
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvml = gpu_info.nvml_device(device.index)
+    timer = gpu_timer.ColdL2Timer(device, stop=STOP, clock=gpu_info.sm_clock_reader(nvml))
+    weights = dict(args.shape) if args.shape else catalog_weights()
+    recorded = {"machine": gpu_info.machine_info(nvml), "cases": sweep(timer, device, weights, _rows(args.rows))}
+    return report(recorded, args.tolerance, args.out)
+
+
+def _rows(text: str) -> list[int]:
+    return [int(m) for m in text.split(",")]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The grid sweep (``harness.perf.grid_sweep``): which grids it times against the rules' grid, which
+grids the kernel is allowed to run (``Plan.runs``), its verdict per case, and (GPU) a sweep end to
+end, every grid's output inside the bound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.correctness import cases
+from harness.perf import grid_sweep
+from harness.runtime import matmul
+from harness.runtime import matmul_kernel as mk
+
+# The H100's view of the 8-token kernel (4 blocks an SM, clusters of up to 16 splits) and of a GPU
+# without clusters; the kernels themselves are never loaded.
+H100_M8 = mk.Plan(None, None, 128, 4, 132, (0, 0, 64, 40, 32, 24, 20, 16, 16, 8, 8, 8, 8, 8, 8, 8, 8))
+NO_CLUSTERS = mk.Plan(None, None, 128, 4, 108, ())
+
+
+@pytest.mark.parametrize(("plan", "M", "N", "K"), [(H100_M8, 1, 1024, 8192), (H100_M8, 8, 28672, 8192),
+                                                   (NO_CLUSTERS, 1, 4096, 4096), (NO_CLUSTERS, 64, 5120, 25600),
+                                                   (NO_CLUSTERS, 3, 48, 96)])  # fmt: skip
+def test_the_sweep_times_the_rules_grid_first_then_every_other_grid_the_kernel_runs(plan, M, N, K):
+    tokens = mk.token_tile(M)
+    grids = grid_sweep.candidate_grids(plan, M, N, K, tokens)
+    steps = mk.steps_of(K, tokens)
+    assert grids[0] == plan.grid(M, N, K, tokens)
+    assert len(set(grids)) == len(grids) and all(plan.runs(g, M, N, K, tokens) for g in grids)
+    # Every split count that leaves no split empty, up to MAX_SPLITS, finished; clustered where held.
+    counts = {-(-steps // -(-steps // n)) for n in range(1, min(mk.MAX_SPLITS, steps) + 1)}
+    assert {g.splits for g in grids if not g.clustered} >= counts
+    clustered = {g.splits for g in grids if g.clustered}
+    assert clustered == ({s for s in counts if 1 < s < len(plan.max_clusters)} if plan.max_clusters else set())
+
+
+def test_the_kernel_runs_a_grid_only_where_every_step_lies_in_one_split_and_its_clusters_are_held():
+    plan, M, N, K, tokens = H100_M8, 1, 1024, 8192, 8  # 16 feature groups, 32 steps
+    assert plan.runs(mk.Grid((16, 4, 1), 8, True), M, N, K, tokens)
+    assert plan.runs(mk.Grid((16, 3, 1), 11, False), M, N, K, tokens)  # the last split runs 10
+    assert not plan.runs(mk.Grid((16, 4, 1), 7, False), M, N, K, tokens)  # steps 28..31 in none
+    assert not plan.runs(mk.Grid((16, 5, 1), 8, False), M, N, K, tokens)  # split 4 empty
+    assert not plan.runs(mk.Grid((15, 4, 1), 8, False), M, N, K, tokens)  # a feature group missing
+    assert not plan.runs(mk.Grid((16, 4, 2), 8, False), M, N, K, tokens)  # a token tile too many
+    assert not plan.runs(mk.Grid((16, 1, 1), 32, True), M, N, K, tokens)  # a cluster of one split
+    assert not plan.runs(mk.Grid((16, 32, 1), 1, True), M, N, K, tokens)  # larger than any cluster held
+    assert not NO_CLUSTERS.runs(mk.Grid((16, 2, 1), 16, True), M, N, K, tokens)
+
+
+def _case(times: dict, in_bound: bool = True, M: int = 1, N: int = 1024, K: int = 8192) -> dict:
+    """A recorded case as the sweep writes it, on H100_M8."""
+    plan = grid_sweep.plan_inputs(H100_M8)
+    case = {"layer": f"w {N}x{K}", "M": M, "N": N, "K": K, "tokens": mk.token_tile(M), "plan": plan}
+    return case | {"µs by grid": times, "all in bound": in_bound}
+
+
+RULE = grid_sweep.grid_name(H100_M8.grid(1, 1024, 8192, 8))
+
+
+def test_a_case_fails_where_the_rules_grid_is_slower_than_the_tolerance_untimed_or_any_grid_out_of_bound():
+    assert RULE not in ("2c x 16", "1 x 32", "8f x 4")
+    row = grid_sweep.case_row(_case({RULE: 10.0, "2c x 16": 9.8, "1 x 32": 14.0}), 0.05)
+    assert row["fastest grid"] == "2c x 16" and row["rules' grid"] == RULE and row["ok"]
+    assert row["rules ÷ fastest"] == pytest.approx(10.0 / 9.8) and row["grids"] == 3
+    slow = grid_sweep.case_row(_case({RULE: 10.6, "2c x 16": 10.0}), 0.05)
+    assert not slow["ok"] and slow["fastest grid"] == "2c x 16"
+    wrong = grid_sweep.case_row(_case({RULE: 10.0, "8f x 4": 11.0}, in_bound=False), 0.05)
+    assert not wrong["ok"] and wrong["rules ÷ fastest"] == 1.0
+    untimed = grid_sweep.case_row(_case({"2c x 16": 10.0}), 0.05)
+    assert not untimed["ok"] and untimed["rules µs"] != untimed["rules µs"]  # NaN
+    summary = grid_sweep.summary([row, slow, wrong], 0.05)
+    assert summary["cases"] == 3 and summary["rules within 5% of the fastest"] == 2
+    assert summary["rules' grid the fastest"] == 1 and summary["cases out of bound"] == 1
+    assert summary["worst rules ÷ fastest"] == pytest.approx(1.06)
+
+
+def test_a_recorded_sweep_is_judged_again_with_this_checkouts_rules_without_a_gpu(tmp_path, monkeypatch):
+    recorded = tmp_path / "recorded.json"
+    cases = [_case({RULE: 10.0, "2c x 16": 10.2}), _case({RULE: 10.0, "2c x 16": 9.0}, M=8)]
+    recorded.write_text(json.dumps({"machine": {"gpu": "H100"}, "cases": cases}))
+    assert grid_sweep.main([f"--out={tmp_path / 'a'}", f"--replay={recorded}"]) == 1  # M = 8: 11% slower
+    report = json.loads((tmp_path / "a" / "grid-sweep.json").read_text())
+    assert [row["ok"] for row in report["verdicts"]] == [True, False] and report["cases"] == cases
+    # A rule that picks the pair instead passes both: the replay reads the rules, not the recording.
+    pair = mk.Grid((16, 2, 1), 16, True)
+    monkeypatch.setattr(mk, "grid_for", lambda *args: pair)
+    assert grid_sweep.main([f"--out={tmp_path / 'b'}", f"--replay={recorded}", "--tolerance=0.03"]) == 0
+
+
+def test_a_shape_argument_names_a_weight_by_its_features_and_k():
+    assert grid_sweep._shape("phi3.qkv=9216x3072") == ("phi3.qkv", (9216, 3072))
+    assert all(len(shape) == 2 for shape in grid_sweep.catalog_weights().values())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as_judged(cuda, tmp_path):
+    args = ["--shape=small=1024x4096", "--rows=1,64", "--tolerance=10"]
+    status = grid_sweep.main([f"--out={tmp_path / 'run'}", *args])
+    result = json.loads((tmp_path / "run" / "grid-sweep.json").read_text())
+    assert [case["M"] for case in result["cases"]] == [1, 64]
+    for case in result["cases"]:
+        plan = mk.plan(mk.MatmulVariant("bf16", "nf4", True, case["tokens"]), cuda.index)
+        assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
+        assert len(case["µs by grid"]) > 2 and grid_sweep.grid_name(grid_sweep.rules_grid(case)) in case["µs by grid"]
+    assert status == 0 and result["summary"]["cases out of bound"] == 0
+    replayed = tmp_path / "replay"
+    assert (
+        grid_sweep.main([f"--out={replayed}", f"--replay={tmp_path / 'run' / 'grid-sweep.json'}", "--tolerance=10"])
+        == 0
+    )
+    assert json.loads((replayed / "grid-sweep.json").read_text())["verdicts"] == result["verdicts"]
+
+
+@pytest.mark.gpu
+def test_a_grid_the_kernel_cannot_run_is_refused_before_any_launch(cuda):
+    B, qs = cases.quantize_weights((1024, 4096), "nf4", 64, True, torch.bfloat16, seed=1, device=cuda)
+    x = torch.randn(1, 4096, device=cuda, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not run"):
+        matmul.fused_matmul_on_grid(x, B.t(), qs, mk.Grid((16, 3, 1), 2, False))  # 16 steps, 6 covered
+    plan = mk.plan(mk.MatmulVariant("bf16", "nf4", True, 8), cuda.index)
+    grid = plan.grid(1, 1024, 4096, 8)
+    assert torch.equal(matmul.fused_matmul_on_grid(x, B.t(), qs, grid), matmul.fused_matmul(x, B.t(), qs))
