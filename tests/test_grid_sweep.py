@@ -5,6 +5,8 @@ end, every grid's output inside the bound."""
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +89,34 @@ def test_a_recorded_sweep_is_judged_again_with_this_checkouts_rules_without_a_gp
     pair = mk.Grid((16, 2, 1), 16, True)
     monkeypatch.setattr(mk, "grid_for", lambda *args: pair)
     assert grid_sweep.main([f"--out={tmp_path / 'b'}", f"--replay={recorded}", "--tolerance=0.03"]) == 0
+
+
+RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid-sweep-*.json"))
+# What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the rules'
+# grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded up: a
+# rule change that picks slower grids on a GPU it was measured on fails here, without a GPU.
+RECORDED_BOUNDS = {"8-token": (1.026, 1.23), "wide": (1.035, 1.49)}
+
+
+def test_sweeps_are_recorded_for_the_gpus_the_rules_were_fit_on():
+    assert [p.name for p in RECORDED] == ["grid-sweep-nvidia-h100-80gb-hbm3.json", "grid-sweep-nvidia-h200.json"]
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.stem)
+def test_the_rules_pick_grids_near_the_fastest_on_each_recorded_sweep(path):
+    """Every grid of the catalog's and four other models' weights at 1-128 rows, timed on the GPU
+    (``nox -s grid-sweep -- --weights all``), judged with this checkout's rules."""
+    recorded = json.loads(path.read_text())
+    rows = [grid_sweep.case_row(case, grid_sweep.TOLERANCE) for case in recorded["cases"]]
+    assert len(rows) == 150 and all(row["all in bound"] for row in rows)
+    for kind, (geomean, worst) in RECORDED_BOUNDS.items():
+        ratios = [
+            row["rules ÷ fastest"]
+            for row, case in zip(rows, recorded["cases"], strict=True)
+            if (case["tokens"] == mk.M8_TOKENS) == (kind == "8-token")
+        ]
+        assert math.exp(sum(map(math.log, ratios)) / len(ratios)) <= geomean, kind
+        assert max(ratios) <= worst, kind
 
 
 def test_a_shape_argument_names_a_weight_by_its_features_and_k():

@@ -7,7 +7,8 @@ grid against every other grid the kernel runs (K in 1 to ``MAX_SPLITS`` splits, 
 where the GPU holds such clusters, clustered), GPU time with a cold L2, and judges every grid's
 output against the fp64 reference: a grid the rules never pick must still compute the right result.
 
-    python -m harness.perf.grid_sweep --out DIR [--shape NAME=NxK ...] [--rows 1,8,64] [--tolerance 0.05]
+    python -m harness.perf.grid_sweep --out DIR [--weights catalog|held-out|all | --shape NAME=NxK ...]
+                                      [--rows 1,8,64] [--tolerance 0.05]
     python -m harness.perf.grid_sweep --out DIR --replay RECORDED/grid-sweep.json   (no GPU)
 
 Exit status 1 where the rules' grid is slower than the fastest by more than the tolerance, or any
@@ -160,8 +161,27 @@ def report(recorded: dict, tolerance: float, out: Path) -> int:
 
 
 def catalog_weights() -> dict[str, tuple[int, int]]:
-    """Every distinct 2-D weight shape of the shapes catalog's models."""
+    """Every distinct 2-D weight shape of the shapes catalog's models: what the rules were fit to."""
     return {s.id: s.shape for s in shapes.model_shapes() if len(s.shape) == 2}
+
+
+# Weights of four models outside the catalog, to check a rule fit on it: Llama-3.1-8B,
+# Qwen2.5-7B, Phi-3-mini (fused qkv and gate_up), Mistral-Nemo-12B.
+HELD_OUT_WEIGHTS = {
+    "llama-3.1-8b.q_proj": (4096, 4096), "llama-3.1-8b.k_proj": (1024, 4096),
+    "llama-3.1-8b.gate_proj": (14336, 4096), "llama-3.1-8b.down_proj": (4096, 14336),
+    "qwen2.5-7b.q_proj": (3584, 3584), "qwen2.5-7b.k_proj": (512, 3584),
+    "qwen2.5-7b.gate_proj": (18944, 3584), "qwen2.5-7b.down_proj": (3584, 18944),
+    "phi-3-mini.qkv_proj": (9216, 3072), "phi-3-mini.o_proj": (3072, 3072),
+    "phi-3-mini.gate_up_proj": (16384, 3072), "phi-3-mini.down_proj": (3072, 8192),
+    "mistral-nemo-12b.q_proj": (4096, 5120), "mistral-nemo-12b.o_proj": (5120, 4096),
+    "mistral-nemo-12b.gate_proj": (14336, 5120), "mistral-nemo-12b.down_proj": (5120, 14336),
+}  # fmt: skip
+WEIGHT_SETS = {
+    "catalog": catalog_weights,
+    "held-out": lambda: dict(HELD_OUT_WEIGHTS),
+    "all": lambda: catalog_weights() | HELD_OUT_WEIGHTS,
+}
 
 
 def _shape(text: str) -> tuple[str, tuple[int, int]]:
@@ -173,7 +193,8 @@ def _shape(text: str) -> tuple[str, tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.perf.grid_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", type=_shape, action="append", help="NAME=NxK (repeatable; default: the catalog's)")
+    parser.add_argument("--shape", type=_shape, action="append", help="NAME=NxK (repeatable; instead of --weights)")
+    parser.add_argument("--weights", choices=WEIGHT_SETS, default="catalog", help="the weights to sweep")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE)
     parser.add_argument(
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     nvml = gpu_info.nvml_device(device.index)
     timer = gpu_timer.ColdL2Timer(device, stop=STOP, clock=gpu_info.sm_clock_reader(nvml))
-    weights = dict(args.shape) if args.shape else catalog_weights()
+    weights = dict(args.shape) if args.shape else WEIGHT_SETS[args.weights]()
     recorded = {"machine": gpu_info.machine_info(nvml), "cases": sweep(timer, device, weights, _rows(args.rows))}
     return report(recorded, args.tolerance, args.out)
 

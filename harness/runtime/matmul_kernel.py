@@ -176,18 +176,21 @@ CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
 PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
 # Clusters of more than 2 splits pay in grids of at most a block an SM; and of at most this many
-# blocks an SM, clusters and steps a split. Against the finish, at one and 8 rows (kernels/NOTES.md):
-# up to a block an SM 0.71-0.98x its time (10 of 10, H100); up to 2 with splits of 4-5 steps and up
-# to 48 clusters 0.73-0.98x (26 of 26 on an H100; 11 of 12 on an H200, the other 1.012x);
-# 80 clusters of 3 splits 0.92-1.06x (4 of 8 slower); with splits of 7-8 steps 0.97-1.035x (5 of 6
-# slower, H100); in grids of 3-14 blocks an SM (weights of 8192 and 28672 features) 1.00-1.26x.
-LARGE_CLUSTER_BLOCKS_PER_SM = 2
+# blocks an SM with splits of at most this many steps. First fit to grids against the finish at one
+# and 8 rows (kernels/NOTES.md): up to a block an SM 0.71-0.98x its time; with splits of 7-8 steps
+# 0.97-1.035x (5 of 6 slower); in grids of 3-14 blocks an SM with splits of 7 or more steps (weights
+# of 8192 and 28672 features) 1.00-1.26x. Then to a grid sweep of the shapes catalog on an H100
+# (``harness.perf.grid_sweep``): up to 6 blocks an SM, any number of clusters (up to 2 and 64 before),
+# took its 8-token picks from 1.049x the fastest grid (geometric mean, 28 cases) to 1.018x and on 32
+# cases of four other models' weights from 1.056x to 1.031x, none slower (kernels/NOTES.md).
+LARGE_CLUSTER_BLOCKS_PER_SM = 6
 LARGE_CLUSTER_STEPS = 5
-LARGE_CLUSTER_UNITS = 64
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
-# 13.4 (same notes).
+# 13.4 (same notes). The 8-token kernel's splits of 3 steps, added in clusters, were the fastest
+# grid of four small weights in the same sweep (gemma-3-27b k_proj at one row 12.5 -> 10.7 µs).
 MIN_SPLIT_STEPS = 4
+MIN_SPLIT_STEPS_M8 = 3
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
 # Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
@@ -203,6 +206,11 @@ CLUSTER_PAIR_STEPS = 16
 CLUSTER_EPILOGUE_STEPS = 2.5
 
 
+def min_split_steps(tokens: int) -> int:
+    """The fewest steps a split of K runs (the last may run fewer) with this token tile."""
+    return MIN_SPLIT_STEPS_M8 if tokens == M8_TOKENS else MIN_SPLIT_STEPS
+
+
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
     """Steps the busiest SM runs when ``blocks`` blocks of ``steps_per_split`` steps share ``sms`` SMs."""
     return -(-blocks // sms) * steps_per_split
@@ -214,7 +222,7 @@ def grid_for(
     M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...] = ()
 ) -> Grid:
     """How K is split, as far as the partial sums stay within ``PARTIAL_SHARE`` of the weights'
-    bytes, a split runs at least ``MIN_SPLIT_STEPS`` steps (the last may run fewer) and there are at
+    bytes, a split runs at least ``min_split_steps`` (the last may run fewer) and there are at
     most ``MAX_SPLITS``; and whether the splits run as clusters (``clusters_fit``, with
     ``max_clusters[s]`` clusters of s splits the GPU holds at once, empty where it has none).
 
@@ -233,7 +241,7 @@ def grid_for(
     Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
     busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), steps_of(K, tokens)
-    cap = max(1, min(steps // MIN_SPLIT_STEPS, MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
+    cap = max(1, min(steps // min_split_steps(tokens), MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
     units = groups * tiles
 
     def shape(splits: int) -> tuple[int, int]:  # (splits without an empty one, steps per split)
@@ -267,15 +275,13 @@ def clusters_fit(
 ) -> bool:
     """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) pay:
     clusters of 2, or of more where the grid has at most a block an SM, or at most
-    ``LARGE_CLUSTER_BLOCKS_PER_SM`` in at most ``LARGE_CLUSTER_UNITS`` clusters with splits of at
-    most ``LARGE_CLUSTER_STEPS`` steps; and only where they run in as many waves as their blocks
-    would on their own."""
+    ``LARGE_CLUSTER_BLOCKS_PER_SM`` with splits of at most ``LARGE_CLUSTER_STEPS`` steps; and only
+    where they run in as many waves as their blocks would on their own."""
     if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
         return False
     blocks = units * splits
     if splits > 2 and blocks > sms:
-        small = units <= LARGE_CLUSTER_UNITS and steps_per_split <= LARGE_CLUSTER_STEPS
-        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or not small:
+        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or steps_per_split > LARGE_CLUSTER_STEPS:
             return False
     return -(-units // max_clusters[splits]) <= -(-blocks // (blocks_per_sm * sms))
 
