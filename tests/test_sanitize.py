@@ -108,7 +108,8 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
 
 def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish():
     """On Hopper the split cases of both kernels with the cluster epilogue (8 and 64 tokens) add
-    their splits inside a cluster (the 8-token one also in a cluster past the portable size) and
+    their splits inside a cluster (the 8-token one also in a cluster past the portable size and
+    in one of an odd size) and
     the 16-token one's through the finish, so the sanitizer sees both ways of adding them (the
     clusters at once and blocks an SM an H100 and an H200 report)."""
     plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
@@ -120,5 +121,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
         ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
         if grid.clustered and grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS:
             ways.add((tokens, "cluster past the portable size"))
+        if grid.clustered and grid.splits % 2:
+            ways.add((tokens, "cluster of an odd size"))
     assert {(8, "cluster"), (64, "cluster"), (16, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways
-    assert (8, "cluster past the portable size") in ways
+    assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways
