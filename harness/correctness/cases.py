@@ -72,6 +72,21 @@ def quantize_weights(
     return A, qs
 
 
+def report_matmul_inputs(weights: dict[str, tuple[int, int]], rows, seed: int, device="cuda"):
+    """The perf reports' fused matmul calls: for each weight [N, K] (nf4, nested, blocks of 64,
+    bf16) and each row count, (name, packed weight, QuantState, its dequantized bits [N, K],
+    activations [M, K]); a weight is quantized once and freed before the next."""
+    from harness.runtime import api
+
+    for name, (N, K) in weights.items():
+        B, qs = quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=seed, device=device)
+        W = api.dequantize_4bit(B, qs)
+        for m in rows:
+            yield name, B, qs, W, torch.randn(m, K, device=device, dtype=torch.bfloat16)
+        del B, qs, W
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class RawCase:
     """Packed bytes and scale tensors fed straight to both implementations (no quantizer)."""

@@ -230,35 +230,30 @@ def _matmul_calls(x: torch.Tensor, B: torch.Tensor, qs) -> dict[str, Callable[[]
 def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMUL_TOKENS) -> list[dict]:
     from harness.correctness import cases
     from harness.correctness import matmul_reference as mr
-    from harness.runtime import api, matmul
+    from harness.runtime import matmul
 
     copy_gbps, copy = gpu_timer.copy_bandwidth(timer)
     rows = []
-    for layer, (N, K) in MATMUL_SHAPES.items():
-        B, qs = cases.quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=3, device=device)
-        W = api.dequantize_4bit(B, qs)
-        for m in tokens:
-            x = torch.randn(m, K, device=device, dtype=torch.bfloat16)
-            calls = _matmul_calls(x, B, qs)
-            with torch.no_grad():
-                us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
-                verdict = mr.judge(calls["ours fused"](), mr.reference(x, W, None, torch.bfloat16))
-            roofline_us = catalog.matmul_bytes(N, K, m) / copy_gbps / 1e3
-            rows.append(
-                {
-                    "layer": f"{layer} {N}x{K}",
-                    "M": m,
-                    **{f"{name} µs": v for name, v in us.items()},
-                    "roofline µs": roofline_us,
-                    "fused ÷ roofline": us["ours fused"] / roofline_us,
-                    "bnb ÷ roofline": us["bitsandbytes"] / roofline_us,
-                    "fused speedup vs bnb": us["bitsandbytes"] / us["ours fused"],
-                    "vs dequant+linear": us["ours dequantize + F.linear"] / us["ours fused"],
-                    "in bound": verdict.ok,
-                }
-            )
-        del B, qs, W
-        torch.cuda.empty_cache()
+    for layer, B, qs, W, x in cases.report_matmul_inputs(MATMUL_SHAPES, tokens, seed=3, device=device):
+        (m, K), N = x.shape, W.shape[0]
+        calls = _matmul_calls(x, B, qs)
+        with torch.no_grad():
+            us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
+            verdict = mr.judge(calls["ours fused"](), mr.reference(x, W, None, torch.bfloat16))
+        roofline_us = catalog.matmul_bytes(N, K, m) / copy_gbps / 1e3
+        rows.append(
+            {
+                "layer": f"{layer} {N}x{K}",
+                "M": m,
+                **{f"{name} µs": v for name, v in us.items()},
+                "roofline µs": roofline_us,
+                "fused ÷ roofline": us["ours fused"] / roofline_us,
+                "bnb ÷ roofline": us["bitsandbytes"] / roofline_us,
+                "fused speedup vs bnb": us["bitsandbytes"] / us["ours fused"],
+                "vs dequant+linear": us["ours dequantize + F.linear"] / us["ours fused"],
+                "in bound": verdict.ok,
+            }
+        )
     rows.append({"layer": f"copy bandwidth {copy_gbps:.0f} GB/s (noise {copy.noise:.4f})"})
     measured = ", ".join(f"{layer} {m}" for layer, m in measured_crossovers(rows).items())
     used = matmul.crossover_table(device.index)

@@ -30,7 +30,7 @@ from tabulate import tabulate
 from harness.correctness import cases, shapes
 from harness.correctness import matmul_reference as mr
 from harness.perf import gpu_info, gpu_timer
-from harness.runtime import api, matmul, matmul_kernel
+from harness.runtime import matmul, matmul_kernel
 
 ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
 TOLERANCE = 0.05  # the rules' grid may be this much slower than the fastest
@@ -129,20 +129,15 @@ def time_grids(timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, 
 def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str, tuple[int, int]], rows) -> list[dict]:
     """Every case (weight, rows) with its plan's inputs and every grid's time."""
     out = []
-    for layer, (N, K) in weights.items():
-        B, qs = cases.quantize_weights((N, K), "nf4", 64, True, torch.bfloat16, seed=5, device=device)
-        W = api.dequantize_4bit(B, qs)
-        for M in rows:
-            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M))
-            plan = matmul_kernel.plan(variant, device.index)
-            grids = candidate_grids(plan, M, N, K, variant.tokens)
-            times, in_bound = time_grids(timer, x, B, qs, mr.reference(x, W, None, torch.bfloat16), grids)
-            case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens}
-            out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
-            print(json.dumps(out[-1]), flush=True)
-        del B, qs, W
-        torch.cuda.empty_cache()
+    for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
+        (M, K), N = x.shape, W.shape[0]
+        variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M))
+        plan = matmul_kernel.plan(variant, device.index)
+        grids = candidate_grids(plan, M, N, K, variant.tokens)
+        times, in_bound = time_grids(timer, x, B, qs, mr.reference(x, W, None, torch.bfloat16), grids)
+        case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens}
+        out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
