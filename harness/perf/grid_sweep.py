@@ -64,7 +64,7 @@ def grid_name(grid: matmul_kernel.Grid) -> str:
 
 def plan_inputs(plan: matmul_kernel.Plan) -> dict:
     """What ``grid_for`` reads of a plan besides the call: recorded with each case, so a rule can be
-    replayed against the recorded times on any machine (``replay``)."""
+    replayed against the recorded times on any machine (``--replay``)."""
     return {"blocks_per_sm": plan.blocks_per_sm, "sms": plan.sms, "max_clusters": list(plan.max_clusters)}
 
 
