@@ -357,10 +357,10 @@ def bnb_paths(session: nox.Session) -> None:
 def grid_sweep(session: nox.Session) -> None:
     """The fused matmul's grid rules against every grid its kernels run, per catalog weight (GPU only).
 
-    Fails where the rules' grid is more than ``--tolerance`` (5%) slower than the fastest or any
-    grid's output is out of bound: run it on a GPU the rules were not fit on. ``-- --replay FILE``
-    judges a recorded sweep with this checkout's rules, no GPU needed; reports land in
-    ``NF4_HARNESS_PERF_OUT`` (perf-out).
+    Fails where the rules' grids take over 5% longer than the fastest in geometric mean
+    (``--geomean-tolerance``) or any grid's output is out of bound: run it on a GPU the rules were
+    not fit on. ``-- --replay FILE`` judges a recorded sweep with this checkout's rules, no GPU
+    needed; reports land in ``NF4_HARNESS_PERF_OUT`` (perf-out).
     """
     if not gpu_count() and "--replay" not in " ".join(session.posargs):
         session.error("nox -s grid-sweep needs an NVIDIA GPU (or -- --replay FILE): none is visible on this machine")
