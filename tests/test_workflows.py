@@ -194,6 +194,16 @@ def test_baseline_workflow_measures_read_only_and_proposes_from_a_hosted_runner(
     assert "git diff --quiet" not in script and "x-access-token" not in script
 
 
+def test_baseline_workflow_sweeps_the_grid_rules_on_every_runner_kind_read_only():
+    """The split rules were fit on H100s: each runner kind's sweep says whether they hold there."""
+    data = _load(WORKFLOWS / "baseline.yml")
+    grids = data["jobs"]["grids"]
+    assert grids["permissions"] == {"contents": "read"} and grids["environment"] == "gpu-main"
+    assert grids["strategy"]["matrix"]["gpu"] == data["jobs"]["measure"]["strategy"]["matrix"]["gpu"]
+    assert any("-s grid-sweep -- --weights all" in s.get("run", "") for s in grids["steps"])
+    assert any("upload-artifact" in s.get("uses", "") for s in grids["steps"])
+
+
 def test_cpu_job_runs_ci_script():
     pr = _load(WORKFLOWS / "pr.yml")
     assert any(s.get("run") == "bash .ci/run" for s in pr["jobs"]["cpu"]["steps"])
