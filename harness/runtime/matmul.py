@@ -222,21 +222,31 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.T
     fields, nested = api.quant_state_args(quant_state)
     if not takes(A, B, fields, max_rows=_ANY_ROWS):
         _fail("the fused kernel does not take this call (see matmul.takes)")
-    call = api.check_call(B, *fields[:4], A.dtype, **nested)
+    call, p = _checked(A, B, fields, nested)
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), A.device.index)
     if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
-    return _fused(A, B, fields, nested, None, None, N, K, grid)
+    return _launch(A, call, p, grid, None, None)
 
 
-def _fused(A, B, fields, nested, bias, out, N: int, K: int, grid: matmul_kernel.Grid | None = None) -> torch.Tensor:
-    call = api.check_call(B, *fields[:4], A.dtype, **nested)  # the weight's rules: the dequantization call's
+def _checked(A, B, fields, nested) -> tuple[api.Call, matmul_kernel.Plan]:
+    """The weight checked by the dequantization call's rules, and its variant's plan on A's GPU."""
+    call = api.check_call(B, *fields[:4], A.dtype, **nested)
+    M = A.numel() // call.shape[1]
+    return call, matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), A.device.index)
+
+
+def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
+    call, p = _checked(A, B, fields, nested)
+    M = A.numel() // K
+    return _launch(A, call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)), bias, out)
+
+
+def _launch(A, call: api.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, bias, out) -> torch.Tensor:
+    (N, K), device = call.shape, A.device.index
+    M = A.numel() // K
     direct = writes_directly(out, A, N)
     target = out if direct else A.new_empty((*A.shape[:-1], N))
-    device, M = A.device.index, A.numel() // K
-    p = matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), device)
-    grid = grid or p.grid(M, N, K, matmul_kernel.token_tile(M))
     workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
     main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
     launcher.on_gpu(device, lambda stream: matmul_kernel.launch(p, grid, stream, main_args, finish_args, M, N))

@@ -258,7 +258,7 @@ def grid_for(
     if tokens != M8_TOKENS:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
         pair_pays = (
-            pair_steps >= MIN_SPLIT_STEPS
+            pair_steps >= min_split_steps(tokens)
             and busiest_sm_steps(2 * units, pair_steps + CLUSTER_EPILOGUE_STEPS, sms) < cost(n)[0]
         )
     else:
