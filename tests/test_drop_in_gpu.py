@@ -83,6 +83,81 @@ def test_the_first_call_on_another_gpu_keeps_the_current_device(cuda, route):
     assert done.stdout.strip().splitlines()[-1] == "current=0 got_on=cuda:1 same_bits=True", done.stdout
 
 
+_MATMUL_OTHER_GPU_SCRIPT = textwrap.dedent(
+    """
+    import copy, sys, torch, bitsandbytes, harness
+    from harness.correctness import cases, matmul_reference as mr
+    from harness.runtime import patch
+    route = sys.argv[1]
+    torch.cuda.set_device(0)
+    gpu1 = torch.device("cuda:1")
+    streams = (torch.cuda.current_stream(0), torch.cuda.current_stream(1))
+    B, qs = cases.quantize_weights((320, 1024), "nf4", 64, True, torch.bfloat16, 0, device=gpu1)
+    W = bitsandbytes.functional.dequantize_4bit(B, qs)  # our dequantization's bits too
+    g = cases.seeded_generator(1, gpu1)
+    # 1 row: the 8-token kernel; 40 rows: the wide one (warpgroup mma on Hopper).
+    inputs = [torch.randn(m, 1024, generator=g, device=gpu1).to(torch.bfloat16) for m in (1, 40)]
+    torch.cuda.set_device(0)
+    fused = lambda: patch.routed_calls().get("gemm_4bit fused: ours", 0)
+    if route == "patched":
+        harness.patch_bitsandbytes(matmul=True)
+        before = fused()
+        results = [bitsandbytes.matmul_4bit(A, B.t(), qs) for A in inputs]
+        assert fused() - before == len(inputs), "matmul mode did not run the fused kernel on cuda:1"
+    elif route == "compiled":
+        call = torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs), fullgraph=True)
+        results = [call(A) for A in inputs]
+    elif route == "graphed":
+        results = []
+        for A in inputs:
+            side = torch.cuda.Stream(device=gpu1)
+            side.wait_stream(torch.cuda.current_stream(gpu1))
+            with torch.cuda.stream(side):  # warm-up off the capture, as PyTorch's graphs ask
+                harness.matmul_4bit(A, B.t(), qs)
+            torch.cuda.current_stream(gpu1).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=gpu1)):
+                out = harness.matmul_4bit(A, B.t(), qs)
+            A.copy_(torch.randn(A.shape, generator=g, device=gpu1))  # the replay must read the new rows
+            graph.replay()
+            results.append(out)
+    else:
+        results = [harness.matmul_4bit(A, B.t(), qs) for A in inputs]
+    device_after = torch.cuda.current_device()
+    streams_kept = streams == (torch.cuda.current_stream(0), torch.cuda.current_stream(1))
+    torch.cuda.synchronize(1)
+    in_bound = all(mr.judge(r, mr.reference(A, W, None, torch.bfloat16)).ok for r, A in zip(results, inputs))
+    # The same call on GPU 0 (a GPU of the same model runs the same grid: the same bits).
+    same_model = torch.cuda.get_device_name(0) == torch.cuda.get_device_name(1)
+    with torch.cuda.device(0):
+        B0, qs0 = B.to("cuda:0"), copy.deepcopy(qs)
+        qs0.to("cuda:0")  # in place
+        on_gpu0 = [harness.matmul_4bit(A.to("cuda:0"), B0.t(), qs0) for A in inputs]
+    same = all(torch.equal(r.view(torch.int16).cpu(), e.view(torch.int16).cpu()) for r, e in zip(results, on_gpu0))
+    print(f"current={device_after} streams_kept={streams_kept} got_on={results[0].device} in_bound={in_bound} "
+          f"same_bits_as_gpu0={same or not same_model}")
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("route", ["drop-in", "patched", "compiled", "graphed"])
+def test_the_fused_matmul_on_another_gpu_keeps_the_current_device_and_streams(cuda, route):
+    """A fresh process, current device 0, a weight and activations on cuda:1, through the drop-in,
+    matmul mode, torch.compile and a CUDA graph captured on cuda:1: results inside the fp64 bound
+    (and the bits of the same call on GPU 0 where the GPUs are of one model), the current device
+    still 0 and neither GPU's current stream changed."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    done = subprocess.run(
+        [sys.executable, "-c", _MATMUL_OTHER_GPU_SCRIPT, route], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "current=0 streams_kept=True got_on=cuda:1 in_bound=True same_bits_as_gpu0=True"
+    assert done.stdout.strip().splitlines()[-1] == expected, done.stdout + done.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 def test_the_public_drop_in_compiles_in_one_graph(cuda, bnb, run_seed, nested):

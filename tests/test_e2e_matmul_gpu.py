@@ -29,17 +29,22 @@ ERROR_SLACK = 1.10  # matmul mode's relative error at most this times bitsandbyt
 
 
 @pytest.fixture(scope="module")
-def small_model():
+def small_checkpoint():
     pytest.importorskip("transformers", reason="the end-to-end check needs transformers")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")
     tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
-    model = qlora.load_quantized(tmp.name).eval()
+    yield tmp.name
+    tmp.cleanup()
+
+
+@pytest.fixture(scope="module")
+def small_model(small_checkpoint):
+    model = qlora.load_quantized(small_checkpoint).eval()
     reference = dr.fp64_reference(model)
     yield model, reference
     del model, reference
     torch.cuda.empty_cache()
-    tmp.cleanup()
 
 
 def _fused_calls() -> int:
@@ -162,3 +167,60 @@ def test_a_qlora_step_in_matmul_mode_is_as_close_to_fp64_as_bitsandbytes(bnb, cu
     finally:
         torch.cuda.empty_cache()
         tmp.cleanup()
+
+
+def _routed(seam: str) -> int:
+    return patch.routed_calls().get(f"{seam}: ours", 0)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.int64), b.cpu().view(torch.int64))
+
+
+@pytest.mark.multigpu
+def test_a_model_split_over_two_gpus_gives_its_one_gpu_results_in_each_mode(bnb, cuda, small_checkpoint, small_model):
+    """The same checkpoint loaded with one layer on each GPU (``device_map``): in the default mode
+    its prefill and decode logits are the one-GPU model's bits, and the patch routes both GPUs'
+    dequantizations; in matmul mode every projection of both layers runs the fused kernel, the
+    decode logits are as close to fp64 as bitsandbytes' own, and, on two GPUs of one model, the
+    one-GPU matmul mode's bits and greedy tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    model, reference = small_model
+    split = qlora.load_quantized(small_checkpoint, qlora.split_over_two_gpus(2)).eval()
+    try:
+        layers = split.model.layers
+        assert [layers[i].mlp.down_proj.weight.device.index for i in (0, 1)] == [0, 1]
+        vocab = model.config.vocab_size
+        # Default mode: 2048 prefill rows are over bitsandbytes' 1536, so every projection
+        # dequantizes through gemm_4bit's fallback seam, on the GPU that holds its layer.
+        ids = qlora.random_tokens(vocab, 2, 1024, seed=20)
+        expected = dr.prefill_logits(model, ids)
+        before = _routed("gemm_4bit fallback")
+        with harness.bitsandbytes_patched():
+            got = dr.prefill_logits(split, ids)
+        assert _routed("gemm_4bit fallback") - before == 2 * 7, "both GPUs' projections went through the patch"
+        assert _same_bits(got, expected), "default mode, split prefill"
+        batch, prompt, total = 8, 8, 24
+        ids = qlora.random_tokens(vocab, batch, total, seed=21)
+        one_gpu = dr.decode_logits(model, ids, prompt)
+        with harness.bitsandbytes_patched():
+            assert _same_bits(dr.decode_logits(split, ids, prompt), one_gpu), "default mode, split decode"
+        # Matmul mode.
+        before = _fused_calls()
+        with harness.bitsandbytes_patched(matmul=True):
+            fused = dr.decode_logits(split, ids, prompt)
+            fused_one_gpu = dr.decode_logits(model, ids, prompt)
+        steps = total - prompt - 1 + (batch * prompt <= _crossover(cuda, model))
+        assert _fused_calls() - before == 2 * (2 * 7 * steps), "every projection on both GPUs ran the fused kernel"
+        _judge("split decode batch 8", one_gpu, fused.to(one_gpu.device), dr.decode_logits(reference, ids, prompt))
+        if torch.cuda.get_device_name(0) == torch.cuda.get_device_name(1):
+            assert _same_bits(fused, fused_one_gpu), "matmul mode, split decode"
+            kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+            prompt_ids = ids[:4, :prompt]
+            with harness.bitsandbytes_patched(matmul=True):
+                tokens = split.generate(prompt_ids, **kwargs), model.generate(prompt_ids, **kwargs)
+            assert torch.equal(tokens[0].cpu(), tokens[1].cpu()), "matmul mode, split greedy generate"
+    finally:
+        del split
+        torch.cuda.empty_cache()

@@ -128,6 +128,40 @@ def test_a_users_marker_filter_narrows_the_sessions_instead_of_replacing_it():
     assert args == ["-k", "nested", "--maxfail=2"]
 
 
+class _RecordedSession:
+    """What the correctness session uses of a nox session under --no-venv; records each command."""
+
+    venv_backend = "none"
+
+    def __init__(self, posargs: list[str]):
+        self.posargs, self.runs = posargs, []
+
+    def log(self, *args) -> None:
+        pass
+
+    def run(self, *args, **kwargs) -> None:
+        self.runs.append((args, kwargs))
+
+
+@pytest.mark.parametrize(
+    ("posargs", "codes"), [(["-m", "multigpu"], [0, 5]), (["-m", "fp4"], [0, 5]), (["-k", "fp4"], None)]
+)
+def test_a_marker_that_empties_one_pass_of_a_multi_gpu_run_does_not_fail_it(monkeypatch, posargs, codes):
+    """On several GPUs the session runs two passes (one worker per GPU, then the multi-GPU cases):
+    a user's marker may leave one of them nothing (`-m multigpu` the first, `-m fp4` the second),
+    and pytest's exit 5 there must not fail the session; without a marker each pass must run."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import noxfile
+    finally:
+        sys.path.remove(str(ROOT))
+    monkeypatch.setenv("NF4_HARNESS_GPUS", "2")
+    session = _RecordedSession(list(posargs))
+    noxfile.correctness(session)
+    assert len(session.runs) == 2, session.runs
+    assert [kwargs.get("success_codes") for _, kwargs in session.runs] == [codes, codes]
+
+
 def test_every_nf4_harness_variable_is_declared_once_in_settings():
     """One place: any NF4_HARNESS_* name the code, workflows or docs use is a declared setting,
     and no module reads one at import time (the only reader is Setting.get)."""

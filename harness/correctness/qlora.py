@@ -49,8 +49,9 @@ def save_random_llama(directory: str, layers: int = 2, vocab: int = 4096, seed: 
 SMALL_LLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4}
 
 
-def load_quantized(directory: str) -> torch.nn.Module:
-    """The checkpoint quantized on load by transformers (nf4, nested, bf16 compute)."""
+def load_quantized(directory: str, device_map: dict | None = None) -> torch.nn.Module:
+    """The checkpoint quantized on load by transformers (nf4, nested, bf16 compute), on the current
+    GPU or where ``device_map`` puts its modules."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(
@@ -62,10 +63,21 @@ def load_quantized(directory: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(
         directory,
         quantization_config=quant,
-        device_map={"": torch.cuda.current_device()},
+        device_map=device_map or {"": torch.cuda.current_device()},
         dtype=torch.bfloat16,
         attn_implementation="eager",  # deterministic backward: no atomics in the attention kernel
     )
+
+
+def split_over_two_gpus(layers: int) -> dict:
+    """A ``device_map`` for a Llama of ``layers`` decoder layers: the embedding and the first half
+    of the layers on GPU 0, the rest, the final norm and the head on GPU 1 (accelerate moves the
+    activations between them)."""
+    # Every module named: accelerate gives a "" entry's device to every submodule's inputs, also
+    # those of a layer mapped elsewhere.
+    first = {name: 0 for name in ("model.embed_tokens", "model.rotary_emb")}
+    layer_map = {f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)}
+    return {**first, **layer_map, "model.norm": 1, "lm_head": 1}
 
 
 def random_tokens(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
