@@ -6,6 +6,7 @@ Attributes load lazily so the compile layer (``harness.runtime.jit``) works with
 from harness.errors import (
     DequantizeInputError,
     HostLauncherUnavailable,
+    InputError,
     KernelCompileError,
     KernelLaunchError,
     SettingError,
@@ -15,6 +16,7 @@ from harness.errors import (
 __all__ = [
     "DequantizeInputError",
     "HostLauncherUnavailable",
+    "InputError",
     "KernelCompileError",
     "KernelLaunchError",
     "SettingError",

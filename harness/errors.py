@@ -4,11 +4,16 @@
 from harness.settings import SettingError  # noqa: F401
 
 
-class DequantizeInputError(ValueError):
-    """Arguments that can never be dequantized; raised before anything is launched.
+class InputError(ValueError):
+    """Arguments a drop-in (``dequantize_4bit``, ``matmul_4bit``) does not take; raised before
+    anything is launched.
 
     A ValueError, as bitsandbytes raises for bad block sizes, quant types and dtypes.
     """
+
+
+# The name it had while dequantization was the only drop-in; kept for code that catches it.
+DequantizeInputError = InputError
 
 
 class ToolchainMissingError(RuntimeError):

@@ -16,7 +16,7 @@ import torch
 import harness
 from harness.correctness import call_battery, cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
-from harness.errors import DequantizeInputError, KernelLaunchError
+from harness.errors import InputError, KernelLaunchError
 from harness.runtime import api, dequantize_kernel, launcher
 
 # --- no GPU needed -----------------------------------------------------------------------------
@@ -40,9 +40,9 @@ def _cpu_state(**overrides):
 
 def test_absmax_and_out_are_required_without_quant_state():
     A = torch.zeros(64, 1, dtype=torch.uint8)
-    with pytest.raises(DequantizeInputError, match="requires both absmax and out"):
+    with pytest.raises(InputError, match="requires both absmax and out"):
         harness.dequantize_4bit(A, absmax=torch.ones(2))
-    with pytest.raises(DequantizeInputError, match="requires both absmax and out"):
+    with pytest.raises(InputError, match="requires both absmax and out"):
         harness.dequantize_4bit(A, out=torch.empty(128))
 
 
@@ -57,7 +57,7 @@ def test_absmax_and_out_are_required_without_quant_state():
     ],
 )
 def test_unsupported_configuration_raises_like_bitsandbytes(override, message):
-    with pytest.raises(DequantizeInputError, match=message):
+    with pytest.raises(InputError, match=message):
         harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), _cpu_state(**override))
 
 
@@ -75,17 +75,24 @@ def test_unsupported_configuration_raises_like_bitsandbytes(override, message):
     ids=["str", "dict", "partial", "nested-without-code"],
 )
 def test_an_object_that_is_not_a_quant_state_is_an_input_error(state, missing):
-    with pytest.raises(DequantizeInputError, match=rf"quant_state must be a bitsandbytes QuantState: .*{missing}"):
+    with pytest.raises(InputError, match=rf"quant_state must be a bitsandbytes QuantState: .*{missing}"):
         harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), state)
 
 
 def test_cpu_tensor_is_rejected_before_cuda_is_touched():
-    with pytest.raises(DequantizeInputError, match="must be on a CUDA device"):
+    """A host tensor is told where CPU calls go, by either drop-in, with the one input error type
+    (``DequantizeInputError``, its name from before the matmul drop-in, is the same class)."""
+    cuda_only = r"must be on a CUDA device, got cpu: the drop-ins are CUDA-only; for CPU tensors call bitsandbytes"
+    with pytest.raises(InputError, match=cuda_only):
         harness.dequantize_4bit(torch.zeros(64, 1, dtype=torch.uint8), _cpu_state())
+    state = _cpu_state(shape=torch.Size([2, 64]), dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=cuda_only):
+        harness.matmul_4bit(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 1, dtype=torch.uint8).t(), state)
+    assert harness.DequantizeInputError is InputError and issubclass(InputError, ValueError)
 
 
 def test_input_errors_are_value_errors():
-    assert issubclass(DequantizeInputError, ValueError)
+    assert issubclass(InputError, ValueError)
 
 
 # --- on the GPU --------------------------------------------------------------------------------
@@ -105,7 +112,7 @@ def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
     launches = []
     real_launch = dequantize_kernel.launch
     monkeypatch.setattr(dequantize_kernel, "launch", lambda *a, **k: launches.append(a))
-    with pytest.raises(DequantizeInputError, match=match):
+    with pytest.raises(InputError, match=match):
         call()
     assert launches == [], "a rejected call must not launch anything"
     monkeypatch.setattr(dequantize_kernel, "launch", real_launch)

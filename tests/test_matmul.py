@@ -20,7 +20,7 @@ import harness
 from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
-from harness.errors import DequantizeInputError, KernelCompileError
+from harness.errors import InputError, KernelCompileError
 from harness.runtime import api, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 from tests import hopper_plans as hopper
@@ -252,11 +252,62 @@ def test_the_kernel_takes_k_in_multiples_of_32_and_blocks_of_32_or_more():
     assert not matmul_kernel.takes_shape(100, 64) and not matmul_kernel.takes_shape(0, 64)
 
 
-def _host_state(N=48, K=96, nested=False):
+def _host_state(N=48, K=96, nested=False, device="cpu"):
     return SimpleNamespace(
-        absmax=torch.ones(N * K // 64), shape=torch.Size([N, K]), dtype=torch.bfloat16, blocksize=64,
+        absmax=torch.ones(N * K // 64, device=device), shape=torch.Size([N, K]), dtype=torch.bfloat16, blocksize=64,
         quant_type="nf4", nested=nested, state2=None, offset=None,
     )  # fmt: skip
+
+
+# Bad out and bias (N = 48 output features, A [3, 96] bf16): rejected before anything runs,
+# on host tensors as on the GPU (the fallback used to fail inside F.linear or the copy into out,
+# after its kernels ran).
+OUT_AND_BIAS = {
+    "out-shape": ({"out": (4, 48)}, r"Expected out.shape == \(3, 48\), got \(4, 48\)"),
+    "out-flat": ({"out": (144,)}, r"Expected out.shape == \(3, 48\)"),
+    "bias-short": (
+        {"bias": (47,)},
+        r"bias must hold the weight's 48 output features \(or one value\), got shape \(47,\)",
+    ),
+    "bias-2d": ({"bias": (1, 48)}, "bias must hold the weight's 48 output features"),
+    "bias-fp32": (
+        {"bias": (48,), "bias_dtype": torch.float32},
+        "bias must be torch.bfloat16 like A, got torch.float32",
+    ),
+    "bias-list": ({"bias": "list"}, "bias must be a torch.Tensor, got list"),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", list(OUT_AND_BIAS))
+def test_a_bad_out_or_bias_is_an_input_error_before_anything_runs(monkeypatch, case, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    what, message = OUT_AND_BIAS[case]
+    A = torch.zeros(3, 96, dtype=torch.bfloat16, device=device)
+    B = torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8, device=device)
+    out = torch.empty(what["out"], dtype=A.dtype, device=device) if "out" in what else None
+    bias = what.get("bias")
+    if bias == "list":
+        bias = [0.0] * 48
+    elif bias is not None:
+        bias = torch.zeros(bias, dtype=what.get("bias_dtype", A.dtype), device=device)
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a kernel path ran before the input error")
+
+    monkeypatch.setattr(matmul, "try_fused", ran)
+    monkeypatch.setattr(api, "dequantize_packed", ran)
+    with pytest.raises(InputError, match=message):
+        harness.matmul_4bit(A, B.t(), _host_state(device=device), out=out, bias=bias)
+
+
+def test_a_bias_of_one_value_and_an_out_of_another_dtype_are_still_taken():
+    """What bitsandbytes takes stays taken: a bias of one value (F.linear broadcasts it), and an
+    out the result is copied into."""
+    A = torch.zeros(3, 96, dtype=torch.bfloat16)
+    matmul.check_out_and_bias(A, 48, torch.empty(3, 48, dtype=torch.float32), torch.zeros(1, dtype=A.dtype))
+    matmul.check_out_and_bias(A, 48, None, torch.zeros((), dtype=A.dtype))
 
 
 @pytest.mark.parametrize(
@@ -267,14 +318,17 @@ def _host_state(N=48, K=96, nested=False):
         (lambda A, B, qs: harness.matmul_4bit(A, B, qs, out=[0]), "out must be a torch.Tensor"),
         (lambda A, B, qs: harness.matmul_4bit(A, B, SimpleNamespace(**{**vars(qs), "shape": (2, 48, 96)})), "2D"),
         (lambda A, B, qs: harness.matmul_4bit(A[:, :64], B, qs), "A has 64 features but the weight takes 96"),
-        (lambda A, B, qs: harness.matmul_4bit(A, B, qs), "must be on a CUDA device"),
+        (
+            lambda A, B, qs: harness.matmul_4bit(A, B, qs),
+            "must be on a CUDA device, got cpu: the drop-ins are CUDA-only",
+        ),
         (lambda A, B, qs: harness.matmul_4bit(A, B, "state"), "quant_state must be a bitsandbytes QuantState"),
     ],
     ids=["no-state", "A-list", "out-list", "3d-weight", "k-mismatch", "host", "not-a-state"],
 )
 def test_what_it_cannot_take_is_an_input_error_before_any_launch(call, message):
     A, B = torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8)
-    with pytest.raises(DequantizeInputError, match=message):
+    with pytest.raises(InputError, match=message):
         call(A, B, _host_state())
 
 
@@ -528,7 +582,9 @@ def test_it_traces_in_one_graph_to_the_ops_checks():
     A, B = torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8)
     qs = _host_state()
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"DequantizeInputError\('A must be on a CUDA device") as info:
+    with pytest.raises(
+        Exception, match=r"InputError\(.A must be on a CUDA device, got cpu: the drop-ins are CUDA-only"
+    ) as info:
         torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs), backend="eager", fullgraph=True)(A)
     assert not isinstance(info.value, torch._dynamo.exc.Unsupported)
 

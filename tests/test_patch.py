@@ -14,7 +14,7 @@ import torch
 import harness
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact
-from harness.errors import DequantizeInputError, SettingError
+from harness.errors import InputError, SettingError
 from harness.runtime import api, patch
 
 
@@ -141,7 +141,7 @@ def test_fallback_passes_every_argument_through(monkeypatch):
     received = []
 
     def refuse(*a):
-        raise DequantizeInputError("not ours")
+        raise InputError("not ours")
 
     monkeypatch.setattr(api, "dequantize_4bit", refuse)
     wrapper = patch._functional_wrapper(lambda *a: received.append(a) or "bnb")
@@ -297,7 +297,7 @@ def test_gemm_fallback_hands_what_ours_refuses_to_bitsandbytes_unchanged(monkeyp
     received = []
 
     def refuse(*a, **k):
-        raise DequantizeInputError("not ours")
+        raise InputError("not ours")
 
     monkeypatch.setattr(api, "dequantize_packed", refuse)
     wrapper = patch._gemm_fallback_wrapper(lambda *a: received.append(a) or "bnb")

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from harness.errors import DequantizeInputError
+from harness.errors import InputError
 from harness.runtime import dequantize_kernel, host_launcher, launcher, operands
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 
@@ -30,8 +30,15 @@ _OUT_NAME = {dtype: name for name, dtype in DTYPES.items()}
 _is_compiling = torch.compiler.is_compiling
 
 
+# What a call on host tensors is told (the compiled path and the registered op only see CUDA ones).
+CUDA_ONLY = (
+    "the drop-ins are CUDA-only; for CPU tensors call bitsandbytes' own functions "
+    "(bitsandbytes.functional.dequantize_4bit, bitsandbytes.matmul_4bit)"
+)
+
+
 def _fail(msg: str):
-    raise DequantizeInputError(msg)
+    raise InputError(msg)
 
 
 def dequantize_4bit(
@@ -51,7 +58,7 @@ def dequantize_4bit(
     and context as they were. Works under ``torch.compile(fullgraph=True)`` (one registered op).
 
     Raises:
-        DequantizeInputError: (a ValueError) for anything the kernel cannot take, before any launch:
+        InputError: (a ValueError) for anything the kernel cannot take, before any launch:
             host tensors, wrong dtypes or sizes, a non-contiguous tensor, an unknown block size.
         KernelLaunchError: the CUDA driver refused the launch; names the CUDA error.
         SettingError: ``NF4_HARNESS_HOST_LAUNCHER`` holds an unknown value.
@@ -176,7 +183,7 @@ def check_call(
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
     if A.device.type != backend:
-        _fail(f"A must be on a {backend.upper()} device, got {A.device}")
+        _fail(f"A must be on a {backend.upper()} device, got {A.device}" + (f": {CUDA_ONLY}" * (backend == "cuda")))
     try:
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
     except (TypeError, ValueError) as e:

@@ -8,7 +8,7 @@ bitsandbytes' own fallback does. A fused call goes to the compiled host path fir
 (``host_launcher``'s matmul entry), which takes it where every tensor is as the kernel reads it;
 the rest runs the Python path below, with the same decisions (``takes``). A fused result is not
 bit-identical to cuBLAS (another summation order); its bound is
-``harness.correctness.matmul_reference``'s. Bad input raises ``DequantizeInputError`` before any
+``harness.correctness.matmul_reference``'s. Bad input raises ``InputError`` before any
 launch.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from harness.errors import DequantizeInputError
+from harness.errors import InputError
 from harness.runtime import api, host_launcher, launcher, matmul_kernel
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
@@ -39,7 +39,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _fail(message: str):
-    raise DequantizeInputError(message)
+    raise InputError(message)
 
 
 def matmul_4bit(
@@ -55,7 +55,7 @@ def matmul_4bit(
     Under ``torch.compile(fullgraph=True)`` it is one registered op (``nf4_harness::matmul_4bit``).
 
     Raises:
-        DequantizeInputError: (a ValueError) for anything neither path takes, before any launch.
+        InputError: (a ValueError) for anything neither path takes, before any launch.
         KernelLaunchError: the CUDA driver refused a launch; names the CUDA error.
     """
     if quant_state is None:
@@ -65,9 +65,31 @@ def matmul_4bit(
     if out is not None and not isinstance(out, torch.Tensor):
         _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
     if _is_compiling():
+        check_out_and_bias(A, result_features(A, quant_state.shape)[0], out, bias)
         return _into(out, torch_op.matmul_call(A, B, quant_state, bias))
     fields, nested = api.quant_state_args(quant_state)
     return matmul_parts(A, B, fields, nested, out, bias)
+
+
+def check_out_and_bias(A: torch.Tensor, N: int, out: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """The rules of ``out`` and ``bias``, checked before anything is launched (else the fallback
+    fails in F.linear or the copy into ``out``, after its kernels ran). ``out`` holds the result's
+    shape, in any dtype and on any device (filled by a copy where the kernel cannot write it);
+    ``bias`` is what F.linear adds and bitsandbytes takes: in A's dtype, on A's device, N values
+    or one."""
+    result = (*A.shape[:-1], N)
+    if out is not None and tuple(out.shape) != result:
+        _fail(f"Expected out.shape == {result}, got {tuple(out.shape)}")
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        _fail(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if bias.dim() > 1 or bias.numel() not in (N, 1):
+        _fail(f"bias must hold the weight's {N} output features (or one value), got shape {tuple(bias.shape)}")
+    if bias.dtype != A.dtype:
+        _fail(f"bias must be {A.dtype} like A, got {bias.dtype}")
+    if bias.device != A.device:
+        _fail(f"bias is on {bias.device}, but A is on {A.device}; all tensors must be on the same device")
 
 
 def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:
@@ -87,11 +109,14 @@ def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torc
     drop-in and its registered op (``torch_op``) both run."""
     absmax, blocksize, quant_type, shape, _dtype = fields
     N, transposed = result_features(A, shape)
+    check_out_and_bias(A, N, out, bias)
+    if A.numel() == 0 and not needs_grad(A, bias):
+        return out if out is not None else A.new_empty((*A.shape[:-1], N))
+    if A.device.type != "cuda":
+        _fail(f"A must be on a CUDA device, got {A.device}: {api.CUDA_ONLY}")
     if transposed:
         W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
         return _into(out, torch.nn.functional.linear(A, W.t(), bias))
-    if A.numel() == 0 and not needs_grad(A, bias):
-        return out if out is not None else A.new_empty((*A.shape[:-1], N))
     if (result := try_fused(A, B, fields, nested, bias, out)) is not None:
         return result
     W = api.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
@@ -156,7 +181,7 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
 def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: str = "cuda") -> bool:
     """Whether the fused kernel computes this call of at most ``max_rows`` rows (None: the GPU's
     ``crossover_m``), the weight's own rules aside (a weight that breaks them raises
-    DequantizeInputError at the launch); the rest is the fallback's, not an error. ``backend`` is
+    InputError at the launch); the rest is the fallback's, not an error. ``backend`` is
     "cpu" only in the tests that hold the compiled path to these decisions."""
     blocksize, shape = fields[1], fields[3]
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
@@ -179,7 +204,7 @@ def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: 
 
 def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
     """The fused kernel's result at any number of rows, never the fallback's: what benchmarks
-    and the oracle time and check. Raises ``DequantizeInputError`` where the kernel does not
+    and the oracle time and check. Raises ``InputError`` where the kernel does not
     take the call (gradients needed, K not a multiple of 32, a misaligned or non-CUDA tensor)."""
     fields, nested = api.quant_state_args(quant_state)
     result = try_fused(A, B, fields, nested, bias, out, any_rows=True)

@@ -1,6 +1,6 @@
 """What a call's tensors must be, stated once as data: each op has a table of ``Operand`` rules.
 
-Two paths read a table. The Python path (:func:`check`) raises ``DequantizeInputError`` naming the
+Two paths read a table. The Python path (:func:`check`) raises ``InputError`` naming the
 operand and the rule it breaks. The compiled host path (``host_launcher.cpp``) is handed the same
 table when it is bound and declines any call that breaks a rule, so the Python path then takes
 the call and names the rule. A test runs one battery of bad calls through both paths on the CPU.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import DequantizeInputError
+from harness.errors import InputError
 
 BYTES = "bytes"  # any dtype, counted in bytes: packed data in whatever quant_storage holds it
 OUT = "out"  # the call's output dtype
@@ -47,7 +47,7 @@ class Operand:
 
 
 def _fail(message: str):
-    raise DequantizeInputError(message)
+    raise InputError(message)
 
 
 # PyTorch, bound at the first check (this module imports without PyTorch).
@@ -76,7 +76,7 @@ def check(
     dtype: Any = None,
     shape: Any = None,
 ) -> None:
-    """Raise DequantizeInputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
+    """Raise InputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
     ``torch.device``; ``dtype`` and ``shape`` are the call's output dtype and shape."""
     torch = _torch or _bind_torch()
     label = operand.label

@@ -31,7 +31,7 @@ the ``functional`` seam is patched.
 
 Anything our kernel does not take (CPU tensors, a non-contiguous input, ...) goes to the
 original unchanged: ours validates everything before it launches, so a refusal (a
-``DequantizeInputError``) has touched nothing. Any other error (a misconfigured setting, a
+``InputError``) has touched nothing. Any other error (a misconfigured setting, a
 toolchain that cannot build, a refused launch) is raised, never hidden behind a fallback.
 """
 
@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from harness.errors import DequantizeInputError
+from harness.errors import InputError
 
 # The bitsandbytes release the patch was proven against (bit-exact, end to end).
 PROVEN_BITSANDBYTES = "0.50.2"
@@ -135,7 +135,7 @@ def _functional_wrapper(original, matmul: bool = False):
             return original(A, quant_state, absmax, out, blocksize, quant_type)
         try:
             result = api.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
-        except DequantizeInputError:
+        except InputError:
             pass  # not something our kernel takes (nothing was launched): bitsandbytes decides
         else:
             _count("functional", True)
@@ -161,7 +161,7 @@ def _fused_gemm(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, 
     weight = (shapeB, absmax, blocksize, quant_type, A.dtype, absmax_8bit, absmax_code, absmax_offset)
     try:
         result = matmul.try_fused(A, B, *_gemm_weight(*weight), bias)
-    except DequantizeInputError:
+    except InputError:
         result = None
     _count("gemm_4bit fused", result is not None)
     return result
@@ -184,7 +184,7 @@ def _gemm_fallback_wrapper(original, matmul: bool = False):
         fields, nested = _gemm_weight(shapeB, absmax, blocksize, quant_type, A.dtype, *args[7:])
         try:
             B_dq = api.dequantize_packed(B, *fields, **nested)
-        except DequantizeInputError:
+        except InputError:
             _count("gemm_4bit fallback", False)
             return original(*args)
         _count("gemm_4bit fallback", True)
@@ -212,9 +212,9 @@ def _op_impl_wrapper(original, matmul: bool = False):
     def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):
         try:
             if out.dtype != dtype:
-                raise DequantizeInputError("out's dtype differs: bitsandbytes' kernel decides")
+                raise InputError("out's dtype differs: bitsandbytes' kernel decides")
             api.dequantize_packed(A, absmax, blocksize, quant_type, out.shape, dtype, out)
-        except DequantizeInputError:
+        except InputError:
             _count("dequantize_4bit op", False)
             return original(A, absmax, blocksize, quant_type, dtype, out)
         _count("dequantize_4bit op", True)

@@ -42,7 +42,7 @@ def _dequantize_4bit_fake(
 
 
 def _check(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
-    """Bad input fails while the graph is traced, with eager mode's DequantizeInputError."""
+    """Bad input fails while the graph is traced, with eager mode's InputError."""
     if offset is not None and offset.device.type == "cpu":
         offset = offset_value  # a host offset is read with .item() at run time; a fake has no value
     nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
