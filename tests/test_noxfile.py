@@ -1,5 +1,9 @@
 """The noxfile: every session listed with help, GPU detection and the offline (--no-venv) path."""
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -286,6 +290,49 @@ def test_kernels_is_not_importable_from_any_directory(tmp_path):
     # bitsandbytes says it could not load kernels-community's package wherever that is not
     # installed; what it must never find is ours (then it fails on the missing get_kernel).
     assert "from 'kernels'" not in done.stderr and str(ROOT / "kernels") not in done.stderr, done.stderr
+
+
+_INSTALLED_PROBE = """
+import hashlib, importlib.util, json, harness
+from harness.runtime import jit
+sources = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in jit.kernels_dir().glob("*.cu*")}
+drop_ins = [harness.dequantize_4bit.__name__, harness.matmul_4bit.__name__]
+print(json.dumps({"file": harness.__file__, "drop_ins": drop_ins, "sources": sources,
+                  "kernels_package": importlib.util.find_spec("kernels") is not None}))
+"""
+
+
+def _installed_view(cwd: Path, env: dict) -> dict:
+    """What ``import harness`` gives an interpreter started in ``cwd``: its file, both drop-ins,
+    the CUDA sources it would compile (name: sha256) and whether a ``kernels`` package is importable."""
+    done = subprocess.run([sys.executable, "-c", _INSTALLED_PROBE], cwd=cwd, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_installed_package_has_both_drop_ins_and_every_kernel_source_from_any_directory(tmp_path):
+    """From a directory outside the checkout, as a user's script or notebook imports it: the
+    session's own (editable) install, and a plain install of the wheel, each import the package
+    with both drop-ins and compile the checkout's CUDA sources, every one of them."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        importlib.metadata.distribution("nf4-harness")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nf4-harness is not installed in this interpreter (the suite runs from the checkout)")
+    expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (ROOT / "kernels").glob("*.cu*")}
+    assert expected and all(name.endswith((".cu", ".cuh")) for name in expected)
+    editable = _installed_view(tmp_path, env)
+    assert Path(editable["file"]).resolve() == ROOT / "harness" / "__init__.py", editable
+    assert editable["drop_ins"] == ["dequantize_4bit", "matmul_4bit"]
+    assert editable["sources"] == expected and not editable["kernels_package"]
+    pytest.importorskip("hatchling", reason="building the wheel without network needs hatchling installed")
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([*pip, str(ROOT)], check=True, capture_output=True, env=env)
+    wheel = _installed_view(tmp_path, {**env, "PYTHONPATH": str(site)})
+    assert Path(wheel["file"]).resolve() == site / "harness" / "__init__.py", wheel
+    assert wheel["drop_ins"] == ["dequantize_4bit", "matmul_4bit"]
+    assert wheel["sources"] == expected and not wheel["kernels_package"]
 
 
 def test_gpu_sessions_switch_the_user_site_off(monkeypatch):

@@ -438,8 +438,8 @@ def test_the_guard_sees_any_change_to_the_judges_files_even_put_back(tmp_path):
     source.write_text("original\n")  # the same bytes back, the same modification time back
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path])) == [str(source)]
-    (tmp_path / "harness" / "_kernels").mkdir()  # a directory the compile layer would prefer
-    assert str(tmp_path / "harness" / "_kernels") in tree_guard.changed(before, tree_guard.fingerprint([tmp_path]))
+    (tmp_path / "harness" / "runtime").mkdir()  # a new directory inside a guarded one
+    assert str(tmp_path / "harness" / "runtime") in tree_guard.changed(before, tree_guard.fingerprint([tmp_path]))
 
 
 ATTACKED_FILES = {

@@ -49,14 +49,21 @@ DEFAULT_OPTIONS: tuple[str, ...] = (
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
 
 
+# Where a wheel puts the CUDA sources, beside the package (pyproject.toml's force-include).
+INSTALLED_KERNELS = "nf4-harness-kernels"
+
+
 def kernels_dir() -> Path:
-    """Directory holding the CUDA sources: an override, the installed copy, or the repo's ``kernels/``."""
+    """Directory holding the CUDA sources: an override; in a source checkout (run from the tree or
+    installed editable) its own ``kernels/``; else the copy the wheel installed beside the package.
+    A checkout never reads an installed copy, so nothing added beside it can stand in for its
+    kernels/."""
     if env := settings.KERNELS_DIR.get():
         return Path(env)
-    installed = Path(__file__).parents[1] / "_kernels"
-    if installed.is_dir():
-        return installed
-    return Path(__file__).resolve().parents[2] / "kernels"
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        return root / "kernels"
+    return root / INSTALLED_KERNELS
 
 
 def cache_dir() -> Path:
