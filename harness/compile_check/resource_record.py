@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.perf.gpu_info import installed_version
@@ -20,12 +22,27 @@ FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_byt
 UPDATE_COMMAND = "nox -s compile -- --update"
 
 
-def compiled_modules(arch: str):
-    """(record name, compiled module) of every variant of every op for one arch."""
-    for variant in dequantize_kernel.all_variants():
-        yield variant.name, jit.compile_kernel(dequantize_kernel.spec_for(variant, arch), use_cache=False)
-    for variant in matmul_kernel.all_variants():
-        yield variant.name, jit.compile_kernel(matmul_kernel.spec_for(variant, arch), use_cache=False)
+def _specs(arch: str) -> list[tuple[str, jit.CompileSpec]]:
+    """(record name, compile spec) of every variant of every op for one arch."""
+    return [(v.name, dequantize_kernel.spec_for(v, arch)) for v in dequantize_kernel.all_variants()] + [
+        (v.name, matmul_kernel.spec_for(v, arch)) for v in matmul_kernel.all_variants()
+    ]
+
+
+def _compiled(spec: jit.CompileSpec) -> jit.CompiledKernel:
+    """Through the compile cache (its key is every input of the cubin, the compiler's version
+    included, so an entry is this very compile's result), except an entry without a ptxas report:
+    NVRTC leaves the report out in a process where a CUDA context for that arch is current."""
+    compiled = jit.compile_kernel(spec)
+    return compiled if compiled.resources else jit.compile_kernel(spec, use_cache=False)
+
+
+def compiled_modules(arch: str) -> list[tuple[str, jit.CompiledKernel]]:
+    """(record name, compiled module) of every variant of every op for one arch, compiled on
+    every core (NVRTC runs without the GIL)."""
+    names, specs = zip(*_specs(arch), strict=True)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(zip(names, pool.map(_compiled, specs), strict=True))
 
 
 def measure() -> dict:
