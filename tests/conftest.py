@@ -57,13 +57,20 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+NO_GPU = "no CUDA GPU visible (torch.cuda.is_available() is False)"
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
-    reason = "no CUDA GPU visible (torch.cuda.is_available() is False)"
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=reason))
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+# Where every GPU test skipped for want of a GPU is reported: pytest's short summary folds skips
+# by place and reason, so one place makes them one line instead of one a test file.
+_NO_GPU_PLACE = (__file__, pytest_collection_modifyitems.__code__.co_firstlineno - 1)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -81,6 +88,8 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"GPU test skipped in a run that requires the GPU: {reason}"
+    elif not _has_gpu():
+        report.longrepr = (*_NO_GPU_PLACE, f"Skipped: GPU tests: {NO_GPU}")
 
 
 def pytest_runtest_logreport(report):

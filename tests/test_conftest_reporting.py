@@ -18,6 +18,14 @@ def test_seeded_case_fails(run_seed):
 @pytest.mark.gpu
 def test_needs_gpu():
     pass
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", range(3))
+def test_needs_gpu_too(n):
+    pass
+
+def test_skips_for_its_own_reason():
+    pytest.skip("not a GPU matter")
 """
 
 
@@ -42,4 +50,14 @@ def test_a_failure_carries_the_command_that_replays_it(tmp_path):
 def test_the_last_line_of_a_cpu_run_says_which_gpu_tests_did_not_run(tmp_path):
     done = _run(tmp_path, "-k", "gpu")
     lines = done.stdout.strip().splitlines()
-    assert lines[-1].startswith("GPU: 1 GPU tests not run"), done.stdout
+    assert lines[-1].startswith("GPU: 4 GPU tests not run"), done.stdout
+
+
+def test_a_cpu_run_reports_its_gpu_skips_in_one_line_and_other_skips_as_they_are(tmp_path):
+    """`-ra`, as the correctness session runs: the GPU tests of every file fold into one SKIPPED
+    line; a skip for any other reason keeps its own line."""
+    done = _run(tmp_path, "-ra", "-k", "gpu or own_reason")
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 2, done.stdout
+    assert skipped[0].startswith("SKIPPED [4] ") and "GPU tests: no CUDA GPU visible" in skipped[0], done.stdout
+    assert "test_planted.py" in skipped[1] and "not a GPU matter" in skipped[1], done.stdout
