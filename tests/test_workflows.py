@@ -1,5 +1,5 @@
 """Security and scheduling properties of the GitHub workflows that actionlint and zizmor don't
-express, asserted so a later edit cannot quietly undo them (README, Security)."""
+express, asserted so a later edit cannot quietly undo them (.github/SECURITY.md)."""
 
 import copy
 import json
@@ -43,7 +43,7 @@ def test_read_only_by_default_with_timeouts(path):
 
 
 def test_the_workflows_keep_every_security_rule():
-    """tests/workflow_policy.py states the rules (README, Security); the workflows break none."""
+    """tests/workflow_policy.py states the rules (.github/SECURITY.md); the workflows break none."""
     found = [v for path in FILES for v in policy.violations(_load(path), path.name)]
     assert found == []
 
@@ -210,9 +210,9 @@ def test_cpu_job_runs_ci_script():
 
 
 def test_every_check_the_security_table_names_exists():
-    """The README's Security table names the test that fails if its line stops being true."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Security") : readme.index("## Layout")]
+    """The security policy's table names the test that fails if its line stops being true."""
+    policy_doc = (ROOT / ".github" / "SECURITY.md").read_text()
+    section = policy_doc[policy_doc.index("## What stops each attack") :]
     named = set(re.findall(r"`(test_\w+)`", section))
     defined = {
         m for p in (ROOT / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", p.read_text(), re.M)

@@ -129,5 +129,5 @@ def kernel_cases() -> list[KernelCase]:
 
 
 # The end-to-end case: one QLoRA training step (forward, loss, backward) of a 2-layer
-# Llama-3.3-70B-sized model with the patch applied; report-only (see policy/README).
+# Llama-3.3-70B-sized model with the patch applied; report-only (see policy and harness/perf/README.md).
 E2E_STEP = "e2e-qlora-llama-3.3-70b-2layers-step"

@@ -60,7 +60,7 @@ class Isolation(enum.Enum):
 # sides' processes") to shift whole sessions by about 1%, up to 3.6% on small weights, either
 # way: FASTER verdicts on unchanged kernels, an undecided session. It keeps each side's code out
 # of the other's timing, but not a side's code out of its own, so it buys no protection against
-# a candidate written to cheat (README, Security).
+# a candidate written to cheat (.github/SECURITY.md).
 ISOLATION = Isolation.SHARED
 
 # No timed call can move its bytes faster than the same session's device copy; one that seems to

@@ -9,7 +9,7 @@ inode change time (which no unprivileged process can set back) fails the session
 
 Bytecode caches (``__pycache__``) are left out, and directories count by their entries, not their
 times: the judge's own lazy imports write bytecode during a session, creating ``__pycache__``
-directories as they go. Bytecode caches are a residual risk, stated in the README.
+directories as they go. Bytecode caches are a residual risk, stated in .github/SECURITY.md.
 """
 
 from __future__ import annotations
