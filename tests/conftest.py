@@ -90,6 +90,9 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"GPU test skipped in a run that requires the GPU: {reason}"
     elif not _has_gpu():
         report.longrepr = (*_NO_GPU_PLACE, f"Skipped: GPU tests: {NO_GPU}")
+        # pytest folds a marker's skips by file alone unless the module has a pytestmark, then
+        # by line too: without it, every GPU skip has the one key.
+        report.keywords.pop("pytestmark", None)
 
 
 def pytest_runtest_logreport(report):

@@ -29,9 +29,21 @@ def test_skips_for_its_own_reason():
 """
 
 
+# A module marked as a whole: pytest folds such a module's skips by line, the others' by file.
+MARKED = """
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+def test_whole_module_on_gpu():
+    pass
+"""
+
+
 def _run(tmp_path: Path, *args: str, seed: str | None = None) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "test_planted.py").write_text(FAILING)
+    (tmp_path / "test_planted_marked.py").write_text(MARKED)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     if seed is not None:
         env["NF4_HARNESS_SEED"] = seed
@@ -50,7 +62,7 @@ def test_a_failure_carries_the_command_that_replays_it(tmp_path):
 def test_the_last_line_of_a_cpu_run_says_which_gpu_tests_did_not_run(tmp_path):
     done = _run(tmp_path, "-k", "gpu")
     lines = done.stdout.strip().splitlines()
-    assert lines[-1].startswith("GPU: 4 GPU tests not run"), done.stdout
+    assert lines[-1].startswith("GPU: 5 GPU tests not run"), done.stdout
 
 
 def test_a_cpu_run_reports_its_gpu_skips_in_one_line_and_other_skips_as_they_are(tmp_path):
@@ -59,5 +71,5 @@ def test_a_cpu_run_reports_its_gpu_skips_in_one_line_and_other_skips_as_they_are
     done = _run(tmp_path, "-ra", "-k", "gpu or own_reason")
     skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
     assert len(skipped) == 2, done.stdout
-    assert skipped[0].startswith("SKIPPED [4] ") and "GPU tests: no CUDA GPU visible" in skipped[0], done.stdout
+    assert skipped[0].startswith("SKIPPED [5] ") and "GPU tests: no CUDA GPU visible" in skipped[0], done.stdout
     assert "test_planted.py" in skipped[1] and "not a GPU matter" in skipped[1], done.stdout
