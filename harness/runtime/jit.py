@@ -46,7 +46,8 @@ DEFAULT_OPTIONS: tuple[str, ...] = (
     "--no-cache",
 )
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+# Line-bound: \s would span newlines and retry the pattern across the headers' blank lines.
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.MULTILINE)
 
 
 # Where a wheel puts the CUDA sources, beside the package (pyproject.toml's force-include).
@@ -126,11 +127,23 @@ def source_digest(source: Path, search: list[Path]) -> str:
             continue
         seen.add(path)
         text = path.read_bytes()
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(text).digest())
-        for name in _INCLUDE.findall(text.decode("utf-8", "replace")):
+        content = hashlib.sha256(text).digest()
+        digest.update(path.name.encode() + b"\0" + content)
+        for name in _includes(content, text):
             if found := _resolve_include(name, path, search):
                 stack.append(found.resolve())
     return digest.hexdigest()
+
+
+_includes_by_content: dict[bytes, list[str]] = {}
+
+
+def _includes(content: bytes, text: bytes) -> list[str]:
+    """The names a file includes, found once per content (its SHA-256): the CUDA headers are read
+    for every key, and scanning them is most of a compile-cache hit's time."""
+    if (names := _includes_by_content.get(content)) is None:
+        names = _includes_by_content[content] = _INCLUDE.findall(text.decode("utf-8", "replace"))
+    return names
 
 
 @dataclass(frozen=True)
