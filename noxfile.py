@@ -203,7 +203,7 @@ def correctness(session: nox.Session) -> None:
     args = ["-m", "pytest", "tests", "--ignore=tests/perf", "-ra", "-p", "no:cacheprovider"]
     if not gpus:
         session.log("no NVIDIA GPU visible: running CPU cases only; GPU cases are reported as not run")
-        session.run(_python(session), *args, *posargs)
+        session.run(_python(session), *args, *cpu_workers(), *posargs)
         return
     args.append("--require-gpu")  # a skipped GPU case fails the run
     user_marks = _take_marker(posargs)
@@ -223,6 +223,19 @@ def correctness(session: nox.Session) -> None:
     session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=workers, **narrowed)
     multi = _and_marks("multigpu", user_marks)
     session.run(_python(session), *args, "-m", multi, *posargs, env=_gpu_env(), **narrowed)
+
+
+# A CPU run's pytest-xdist workers: each collects the whole suite and loads PyTorch again, so more
+# than a few gain little. "worksteal": a module's fixtures run only in the workers that reach its
+# tests, and an idle worker takes over another's queue (the subprocess-heavy tests come in one file).
+CPU_WORKERS_MAX = 4
+
+
+def cpu_workers() -> list[str]:
+    """pytest-xdist arguments for a run on this machine's cores (none on one core); a user's
+    ``-- -n 0`` comes after them and runs the suite in one process."""
+    workers = min(os.cpu_count() or 1, CPU_WORKERS_MAX)
+    return ["-n", str(workers), "--dist", "worksteal"] if workers > 1 else []
 
 
 def _candidate_tree(session: nox.Session, candidate: str) -> Path:
