@@ -46,6 +46,32 @@ def save_random_llama(directory: str, layers: int = 2, vocab: int = 4096, seed: 
     torch.cuda.empty_cache()
 
 
+# Qwen3-32B's layer sizes (its q and k norms and head size of 128 are the architecture's own).
+QWEN3_32B = {
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
+
+def save_random_model(directory: str, architecture: str, layers: int, vocab: int = 4096, seed: int = 0) -> None:
+    """A checkpoint of ``architecture`` ("llama": Llama-3.3-70B's sizes, "qwen3": Qwen3-32B's) with
+    random bf16 weights, written with save_pretrained."""
+    if architecture == "llama":
+        return save_random_llama(directory, layers, vocab, seed)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096, **QWEN3_32B)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    torch.cuda.empty_cache()
+
+
 SMALL_LLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4}
 
 

@@ -367,6 +367,84 @@ def graphed_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
         return rows
 
 
+COMPILED_BATCHES = (1, 8, 32)
+COMPILED_ARCHITECTURES = ("llama", "qwen3")
+# (label, patch mode or None for unpatched, decode compiled)
+COMPILED_LOOPS = (
+    ("eager, unpatched", None, False),
+    ("eager, matmul mode", {"matmul": True}, False),
+    ("compiled, default mode", {"matmul": False, "compiled_decode": True}, True),
+    ("compiled, matmul mode", {"matmul": True, "compiled_decode": True}, True),
+)
+
+
+def compiled_rows(rounds: int, batches=COMPILED_BATCHES, architectures=COMPILED_ARCHITECTURES) -> list[dict]:
+    """transformers' own greedy ``generate`` as users run it, tokens per second: eager (the
+    default, unpatched and in matmul mode) and with its compiled decode
+    (``cache_implementation="static"``, let through by ``patch_bitsandbytes(compiled_decode=True)``;
+    the default mode runs bitsandbytes' own matmul kernels), ``GENERATE_LAYERS`` layers of each
+    architecture at its real sizes. Each compiled loop has a model of its own: a compiled decode
+    step keeps the kernels its CUDA graphs captured, so one model must not serve two modes. The
+    four loops interleave, in a rotating order, each round printed."""
+    import contextlib as _contextlib
+    import tempfile
+
+    from harness.correctness import qlora
+
+    kwargs = {"max_new_tokens": GENERATE_NEW, "min_new_tokens": GENERATE_NEW, "do_sample": False, "pad_token_id": 0}
+    rows = []
+    for architecture in architectures:
+        with tempfile.TemporaryDirectory(prefix="nf4-harness-compiled-") as tmp:
+            qlora.save_random_model(tmp, architecture, GENERATE_LAYERS)
+            compiled_models = {label: qlora.load_quantized(tmp).eval() for label, _, c in COMPILED_LOOPS if c}
+            eager_model = next(iter(compiled_models.values()))
+            for batch in batches:
+                ids = qlora.random_tokens(eager_model.config.vocab_size, batch, GENERATE_PROMPT, seed=batch)
+
+                def run(label, mode, compiled, timed, ids=ids, models=compiled_models, eager=eager_model):
+                    """One generate of a loop, patched as the loop is outside the timed call."""
+                    model = models[label] if compiled else eager
+                    extra = {"cache_implementation": "static"} if compiled else {}
+                    with patch.bitsandbytes_patched(**mode) if mode else _contextlib.nullcontext():
+                        if timed:
+                            return qlora.wall_times(lambda: model.generate(ids, **kwargs, **extra), 1)[0]
+                        return model.generate(ids, **kwargs, **extra)
+
+                outputs = {loop[0]: run(*loop, timed=False) for loop in COMPILED_LOOPS}  # warm-up: compiles
+                for label, model in compiled_models.items():
+                    if not hasattr(model, "_compiled_call"):
+                        raise RuntimeError(f"{architecture}, batch {batch}: transformers did not compile ({label})")
+                times: dict[str, list[float]] = {loop[0]: [] for loop in COMPILED_LOOPS}
+                for r in range(rounds):
+                    for loop in COMPILED_LOOPS[r % 4 :] + COMPILED_LOOPS[: r % 4]:
+                        times[loop[0]].append(run(*loop, timed=True))
+                    print(
+                        f"{architecture} batch {batch} round {r}: "
+                        + ", ".join(f"{label} {batch * GENERATE_NEW / t[-1]:.0f}" for label, t in times.items())
+                        + " tokens/s",
+                        flush=True,
+                    )
+                unpatched = times[COMPILED_LOOPS[0][0]]
+                baseline, reference = statistics.median(unpatched), outputs[COMPILED_LOOPS[0][0]]
+                for label, samples in times.items():
+                    rows.append(
+                        {
+                            "model": f"{architecture} ({GENERATE_LAYERS} layers)",
+                            "batch": batch,
+                            "decode loop": label,
+                            "tokens/s": batch * GENERATE_NEW / statistics.median(samples),
+                            "x eager unpatched": baseline / statistics.median(samples),
+                            "rounds x": [round(u / t, 3) for u, t in zip(unpatched, samples, strict=True)],
+                            "tokens equal to eager unpatched": float(
+                                (outputs[label] == reference).double()[:, GENERATE_PROMPT:].mean()
+                            ),
+                        }
+                    )
+            compiled_models.clear()
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _dequant_gpu_us(step: Callable[[], object]) -> tuple[float, float]:
     """(GPU µs in 4-bit dequantization kernels, GPU µs in all kernels) of one call, by the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -442,7 +520,7 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-TABLES = ("dequantize", "host", "layers", "matmul", "generate", "graphed", "qlora")
+TABLES = ("dequantize", "host", "layers", "matmul", "generate", "graphed", "compiled", "qlora")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     timer = gpu_timer.ColdL2Timer(device, clock=gpu_info.sm_clock_reader(gpu_info.nvml_device(device.index)))
     rounds = 2 if args.quick else ROUNDS
-    slow = {"qlora", "generate", "graphed"} if args.quick else {"qlora"} if args.no_qlora else set()
+    slow = {"qlora", "generate", "graphed", "compiled"} if args.quick else {"qlora"} if args.no_qlora else set()
     wanted = set(args.only or TABLES) - slow
     builders = {
         "dequantize": lambda: dequantize_rows(timer, device),
@@ -466,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "matmul": lambda: matmul_rows(timer, device, (1, 64) if args.quick else MATMUL_TOKENS),
         "generate": lambda: generate_rows(rounds),
         "graphed": lambda: graphed_rows(rounds),
+        "compiled": lambda: compiled_rows(rounds),
         "qlora": lambda: qlora_rows(QLORA_ROUNDS),
     }
     tables = {"machine": [gpu_info.machine_info(gpu_info.nvml_device(device.index))]}

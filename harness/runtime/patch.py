@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from harness.errors import InputError
+from harness.runtime import compiled_decode as compiled_decode_seams
 
 # The bitsandbytes release the patch was proven against (bit-exact, end to end).
 PROVEN_BITSANDBYTES = "0.50.2"
@@ -112,6 +113,7 @@ _originals: dict[Seam, Callable] = {}  # bitsandbytes' functions while patched, 
 _rebound: list[tuple[object, str, Callable]] = []  # (module, attribute, original) we replaced
 _counts: Counter = Counter()  # (seam label, "ours" | "fallback") -> calls
 _matmul_mode = False  # whether the patch in place routes matmuls too
+_compiled_decode_mode = False  # whether it lets transformers compile 4-bit models' decode
 
 
 def _count(label: str, ours: bool) -> None:
@@ -277,19 +279,22 @@ def unproven_reason(version: str, functions: dict[Seam, object]) -> str | None:
     return None
 
 
-def patch_bitsandbytes(matmul: bool = False) -> bool:
+def patch_bitsandbytes(matmul: bool = False, compiled_decode: bool = False) -> bool:
     """Send bitsandbytes' 4-bit dequantizations to our kernel (``SEAMS``). Idempotent.
 
     ``matmul=True`` also sends its 4-bit matmuls (``gemm_4bit``: inference and the training
     forward) of few rows to our fused kernel: faster, not bit-identical to bitsandbytes (another
-    fp32 summation order; README, "The fused matmul"). The default changes no output bit; a
-    patch in the other mode is replaced. Returns whether the patch is in place. On a
-    bitsandbytes release or a seam it was not proven against it warns why and changes nothing."""
-    global _matmul_mode
+    fp32 summation order; README, "The fused matmul"). The default changes no output bit.
+    ``compiled_decode=True`` also lets transformers compile the decode step of bitsandbytes 4-bit
+    models (``generate(cache_implementation="static")``; ``harness.runtime.compiled_decode``),
+    which it otherwise runs eager. A patch in another mode is replaced. Returns whether the patch
+    is in place. On a bitsandbytes release or a seam it was not proven against it warns why and
+    changes nothing; where transformers' compile seams are not there, it warns and patches the rest."""
+    global _matmul_mode, _compiled_decode_mode
     import bitsandbytes  # loads backends.cuda.ops where CUDA is available
 
     with _lock:
-        if _originals and _matmul_mode == matmul:
+        if _originals and (_matmul_mode, _compiled_decode_mode) == (matmul, compiled_decode):
             return True
         seams = _present_seams(matmul)
         functions = {s: _originals.get(s) or getattr(sys.modules.get(s.module), s.name, None) for s in seams}
@@ -307,6 +312,12 @@ def patch_bitsandbytes(matmul: bool = False) -> bool:
             _originals[seam] = original
         _rebound[:] = rebound
         _matmul_mode = matmul
+        _compiled_decode_mode = False
+        if compiled_decode:
+            if (reason := compiled_decode_seams.install()) is None:
+                _compiled_decode_mode = True
+            else:
+                warnings.warn(f"harness.patch_bitsandbytes: no compiled decode: {reason}", RuntimeWarning, stacklevel=2)
         return True
 
 
@@ -328,21 +339,22 @@ def _unpatch() -> None:
         setattr(module, name, original)
     _rebound.clear()
     _originals.clear()
+    compiled_decode_seams.uninstall()
 
 
 @contextlib.contextmanager
-def bitsandbytes_patched(matmul: bool = False) -> Iterator[None]:
+def bitsandbytes_patched(matmul: bool = False, compiled_decode: bool = False) -> Iterator[None]:
     """``with bitsandbytes_patched(): ...`` patches for the block; leaves a patch made before it
     in the mode it had."""
-    before = _matmul_mode if is_patched() else None
-    patch_bitsandbytes(matmul)
+    before = (_matmul_mode, _compiled_decode_mode) if is_patched() else None
+    patch_bitsandbytes(matmul, compiled_decode)
     try:
         yield
     finally:
         if before is None:
             unpatch_bitsandbytes()
-        elif before != matmul:
-            patch_bitsandbytes(before)
+        elif before != (matmul, compiled_decode):
+            patch_bitsandbytes(*before)
 
 
 def routed_calls() -> dict[str, int]:
