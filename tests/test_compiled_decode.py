@@ -107,3 +107,26 @@ def test_without_transformers_compiled_decode_warns_and_the_rest_is_patched(monk
         assert patch.is_patched() and not compiled_decode.installed()
     finally:
         patch.unpatch_bitsandbytes()
+
+
+def test_unpatching_or_a_mode_change_drops_the_decode_steps_compiled_under_the_patch(transformers_like, monkeypatch):
+    """A compiled step replays the kernels it captured: after the patch goes or changes mode, the
+    models compiled under it must compile again (or decode eager), never replay the old mode."""
+    quantizer_class, mixin = transformers_like
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    compiled, refused = _model(mixin, quantizer_class()), _model(mixin, quantizer_class(), ("cpu",))
+    harness.patch_bitsandbytes(matmul=True, compiled_decode=True)
+    assert compiled._valid_auto_compile_criteria({"static": True}, None)
+    with pytest.warns(RuntimeWarning):
+        assert not refused._valid_auto_compile_criteria({"static": True}, None)
+    compiled._compiled_call = refused._compiled_call = "a compiled step"
+    harness.patch_bitsandbytes(matmul=False, compiled_decode=True)  # another mode
+    assert not hasattr(compiled, "_compiled_call") and resets == [1]
+    assert refused._compiled_call == "a compiled step", "only the models compiled under the patch"
+    assert compiled._valid_auto_compile_criteria({"static": True}, None)
+    compiled._compiled_call = "compiled again"
+    harness.unpatch_bitsandbytes()
+    assert not hasattr(compiled, "_compiled_call") and resets == [1, 1]
+    harness.unpatch_bitsandbytes()  # nothing compiled under a patch now: no reset
+    assert resets == [1, 1]

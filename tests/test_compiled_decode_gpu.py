@@ -48,16 +48,27 @@ def _compiled_generate(model, ids, **kwargs):
 
 @pytest.mark.parametrize("matmul", [False, True], ids=["default", "matmul"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_compiled_greedy_decode_gives_the_eager_tokens_of_its_mode(bnb, cuda, small_model, matmul, batch):
-    ids = qlora.random_tokens(small_model.config.vocab_size, batch, 8, seed=30 + batch)
+def test_compiled_greedy_decode_picks_the_eager_decodes_tokens_of_its_mode(bnb, cuda, small_model, matmul, batch):
+    """Each compiled step's logits beside the same mode's eager decode fed the same tokens: the
+    compiled decode picks the eager decode's token wherever the two computations' difference could
+    not flip it (inductor fuses the norms, activations and attention with other roundings than
+    eager PyTorch, so on a random-weight model's near-ties either token may come; seen on an H100:
+    the default mode's greedy tokens at batch 8 left the eager ones after a few steps)."""
+    prompt = 8
+    ids = qlora.random_tokens(small_model.config.vocab_size, batch, prompt, seed=30 + batch)
     with harness.bitsandbytes_patched(matmul=matmul, compiled_decode=True):
-        eager = small_model.generate(ids, **GREEDY)  # a dynamic cache: transformers decodes eager
         before = patch.routed_calls().get("gemm_4bit fused: ours", 0)
-        compiled, did_compile = _compiled_generate(small_model, ids)
+        out, did_compile = _compiled_generate(small_model, ids, output_logits=True, return_dict_in_generate=True)
         fused = patch.routed_calls().get("gemm_4bit fused: ours", 0) - before
+        eager = dr.decode_logits(small_model, out.sequences, prompt)  # a dynamic cache: eager
+    assert not hasattr(small_model, "_compiled_call"), "the step compiled under the patch went with it"
     assert did_compile, "transformers did not compile the decode step"
     assert fused > 0 if matmul else fused == 0
-    assert torch.equal(compiled, eager), (compiled, eager)
+    compiled = torch.stack(out.logits, dim=1).double()
+    assert torch.equal(compiled.argmax(-1), out.sequences[:, prompt:]), "greedy: each token is its step's top-1"
+    agreement = dr.distance(compiled, eager, dr.tie_margin(compiled, eager))
+    print(f"\ncompiled against eager decode, batch {batch}: {agreement}")
+    assert agreement.decided > 0 and agreement.decided_misses == 0, agreement
     _, did_compile = _compiled_generate(small_model, ids)  # unpatched: transformers' own refusal again
     assert not did_compile
 

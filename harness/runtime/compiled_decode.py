@@ -12,6 +12,12 @@ default mode runs bitsandbytes' own ops, matmul mode our registered op:
   several GPUs, or with peft adapters, is refused (``refusal``): it decodes eager as before, with a
   ``RuntimeWarning`` naming why. Compiled decode is not proven there, and a wrong result is worse
   than a slow one.
+
+A compiled decode step replays the kernels its CUDA graphs captured, whatever the patch is later:
+a step compiled in matmul mode would go on running the fused kernel after an unpatch. So when the
+patch goes or changes mode, the models compiled under it lose their compiled step
+(``_compiled_call``, transformers' cache of it) and torch.compile's caches are reset: their next
+``generate`` compiles again in the mode then in place, or decodes eager.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import functools
 import importlib
 import inspect
 import warnings
+import weakref
 
 QUANTIZER_MODULE, QUANTIZER = "transformers.quantizers.quantizer_bnb_4bit", "Bnb4BitHfQuantizer"
 GENERATION_MODULE, GENERATION = "transformers.generation.utils", "GenerationMixin"
@@ -29,6 +36,8 @@ CRITERIA = "_valid_auto_compile_criteria"  # the method that decides whether gen
 # it inherited the base class's), the generation mixin and its own criteria function.
 _installed: dict = {}
 _NOT_OWN = object()
+# The models transformers was let compile while installed (weakly: a model may go away).
+_compiled_models: weakref.WeakSet = weakref.WeakSet()
 
 
 def refusal(model) -> str | None:
@@ -57,6 +66,7 @@ def _criteria_wrapper(original, quantizer_class):
                     stacklevel=2,
                 )
                 return False
+            _compiled_models.add(self)
         return allowed
 
     _valid_auto_compile_criteria._nf4_harness_original = original
@@ -98,6 +108,19 @@ def uninstall() -> None:
         quantizer_class.is_compileable = own
     setattr(_installed["mixin"], CRITERIA, _installed["criteria"])
     _installed.clear()
+    _drop_compiled_steps()
+
+
+def _drop_compiled_steps() -> None:
+    """Forget the decode steps compiled while installed (see the module's docstring)."""
+    models = list(_compiled_models)
+    _compiled_models.clear()
+    for model in models:
+        model.__dict__.pop("_compiled_call", None)
+    if models:
+        import torch
+
+        torch._dynamo.reset()
 
 
 def installed() -> bool:
