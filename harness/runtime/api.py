@@ -183,7 +183,8 @@ def check_call(
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
     if A.device.type != backend:
-        _fail(f"A must be on a {backend.upper()} device, got {A.device}" + (f": {CUDA_ONLY}" * (backend == "cuda")))
+        hint = f": {CUDA_ONLY}" if backend == "cuda" else ""
+        _fail(f"A must be on a {backend.upper()} device, got {A.device}{hint}")
     try:
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
     except (TypeError, ValueError) as e:
