@@ -124,3 +124,22 @@ def test_matmul_mode_computes_the_call_bitsandbytes_own_kernel_faults_on(bnb, cu
     assert patch.routed_calls().get("gemm_4bit fused: ours", 0) - before == 1, "matmul mode took the call"
     judged = mr.judge(got, mr.reference(A, harness.dequantize_4bit(packed, state), None, torch.bfloat16))
     assert judged.ok, judged
+
+
+@pytest.mark.multigpu
+def test_a_model_split_over_two_gpus_decodes_eager_with_a_warning(bnb, cuda):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    pytest.importorskip("transformers", reason="compiled decode is transformers'")
+    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
+    try:
+        split = qlora.load_quantized(tmp.name, qlora.split_over_two_gpus(2)).eval()
+        ids = qlora.random_tokens(split.config.vocab_size, 2, 8, seed=60)
+        eager = split.generate(ids, **GREEDY)
+        with harness.bitsandbytes_patched(matmul=True, compiled_decode=True):
+            with pytest.warns(RuntimeWarning, match="compiled decode refused .*split over"):
+                out, did_compile = _compiled_generate(split, ids)
+        assert not did_compile and out.shape == eager.shape
+    finally:
+        torch.cuda.empty_cache()
+        tmp.cleanup()
