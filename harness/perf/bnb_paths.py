@@ -26,6 +26,10 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
 - graphed: the same decode with the host out of the step: each mode's greedy step captured once
   as a CUDA graph over a static KV cache (``harness.perf.graphed_decode``) and replayed, as
   transformers' static-cache compile path runs it; and whether the replays equal the eager steps.
+- compiled: transformers' own greedy ``generate`` as users run it, eager (unpatched, matmul mode)
+  and with transformers' compiled decode (``patch_bitsandbytes(compiled_decode=True)``, default and
+  matmul mode), batch 1, 8 and 32, on 4 layers of Llama-3.3-70B's and Qwen3-32B's sizes; tokens per
+  second, each round printed.
 - qlora: a QLoRA training step (2 layers at Llama-3.3-70B sizes, 8192 tokens), wall time per
   synchronised step, interleaved; the dequantization's share of GPU time from the profiler and
   the Amdahl prediction that share and the measured kernel speedup allow.
