@@ -69,7 +69,6 @@ def _criteria_wrapper(original, quantizer_class):
             _compiled_models.add(self)
         return allowed
 
-    _valid_auto_compile_criteria._nf4_harness_original = original
     return _valid_auto_compile_criteria
 
 
