@@ -152,3 +152,17 @@ def cuda():
     device = torch.device("cuda", torch.cuda.current_device())
     yield device
     torch.cuda.synchronize(device)  # surfaces any asynchronous fault from this test, here
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint():
+    """A small Llama built from a config (2 layers, hidden 2048, random bf16 weights), saved once
+    per session: the end-to-end modules load it quantized, on one GPU or split over two."""
+    pytest.importorskip("transformers", reason="the end-to-end checks need transformers")
+    if not _has_gpu():
+        pytest.skip("no CUDA GPU visible")
+    from harness.correctness import qlora
+
+    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
+    yield tmp.name
+    tmp.cleanup()

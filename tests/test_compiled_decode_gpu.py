@@ -24,16 +24,11 @@ ERROR_SLACK = 1.10  # as tests/test_e2e_matmul_gpu.py: at most this times bitsan
 
 
 @pytest.fixture(scope="module")
-def small_model():
-    pytest.importorskip("transformers", reason="compiled decode is transformers'")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible")
-    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
-    model = qlora.load_quantized(tmp.name).eval()
+def small_model(small_checkpoint):
+    model = qlora.load_quantized(small_checkpoint).eval()
     yield model
     del model
     torch.cuda.empty_cache()
-    tmp.cleanup()
 
 
 def _compiled_generate(model, ids, **kwargs):
@@ -127,13 +122,11 @@ def test_matmul_mode_computes_the_call_bitsandbytes_own_kernel_faults_on(bnb, cu
 
 
 @pytest.mark.multigpu
-def test_a_model_split_over_two_gpus_decodes_eager_with_a_warning(bnb, cuda):
+def test_a_model_split_over_two_gpus_decodes_eager_with_a_warning(bnb, cuda, small_checkpoint):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    pytest.importorskip("transformers", reason="compiled decode is transformers'")
-    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
     try:
-        split = qlora.load_quantized(tmp.name, qlora.split_over_two_gpus(2)).eval()
+        split = qlora.load_quantized(small_checkpoint, qlora.split_over_two_gpus(2)).eval()
         ids = qlora.random_tokens(split.config.vocab_size, 2, 8, seed=60)
         eager = split.generate(ids, **GREEDY)
         with harness.bitsandbytes_patched(matmul=True, compiled_decode=True):
@@ -142,4 +135,3 @@ def test_a_model_split_over_two_gpus_decodes_eager_with_a_warning(bnb, cuda):
         assert not did_compile and out.shape == eager.shape
     finally:
         torch.cuda.empty_cache()
-        tmp.cleanup()

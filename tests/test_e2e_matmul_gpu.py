@@ -29,16 +29,6 @@ ERROR_SLACK = 1.10  # matmul mode's relative error at most this times bitsandbyt
 
 
 @pytest.fixture(scope="module")
-def small_checkpoint():
-    pytest.importorskip("transformers", reason="the end-to-end check needs transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible")
-    tmp = qlora.temporary_checkpoint(dims=qlora.SMALL_LLAMA, layers=2)
-    yield tmp.name
-    tmp.cleanup()
-
-
-@pytest.fixture(scope="module")
 def small_model(small_checkpoint):
     model = qlora.load_quantized(small_checkpoint).eval()
     reference = dr.fp64_reference(model)

@@ -390,7 +390,6 @@ def compiled_rows(rounds: int, batches=COMPILED_BATCHES, architectures=COMPILED_
     architecture at its real sizes. Each compiled loop has a model of its own: a compiled decode
     step keeps the kernels its CUDA graphs captured, so one model must not serve two modes. The
     four loops interleave, in a rotating order, each round printed."""
-    import contextlib as _contextlib
     import tempfile
 
     from harness.correctness import qlora
@@ -409,7 +408,7 @@ def compiled_rows(rounds: int, batches=COMPILED_BATCHES, architectures=COMPILED_
                     """One generate of a loop, patched as the loop is outside the timed call."""
                     model = models[label] if compiled else eager
                     extra = {"cache_implementation": "static"} if compiled else {}
-                    with patch.bitsandbytes_patched(**mode) if mode else _contextlib.nullcontext():
+                    with patch.bitsandbytes_patched(**mode) if mode else contextlib.nullcontext():
                         if timed:
                             return qlora.wall_times(lambda: model.generate(ids, **kwargs, **extra), 1)[0]
                         return model.generate(ids, **kwargs, **extra)
