@@ -1,8 +1,10 @@
 """The fused matmul kernels' data movement, lane by lane, in Python: which bytes each lane of a warp
 loads, how it turns them into mma fragments, and where the accumulators land, transcribed from
-kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more) and kernels/matmul_4bit_m8.cu
-(``M8``, its prmt table lookups included); the mma itself is assembled from its fragments by the
-layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32 accumulators).
+kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more), kernels/matmul_4bit_m8.cu (``M8``,
+its prmt table lookups included) and kernels/matmul_4bit_m8_pairs.cu (``M8P_64`` and ``M8P_32``:
+chunks of 64 or 32 k, the pair table's lookups included); the mma itself is assembled from its
+fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32
+accumulators).
 
 It proves the kernels' index arithmetic (the k permutation shared by both operands, the nibble
 order, the table lookups, the activation tile's staging and padded slots, the fragment slots,
@@ -53,12 +55,16 @@ def decode_pair(pair: int, scale: float, code: list[float]) -> tuple[float, floa
 
 
 def byte_perm(a: int, b: int, selector: int) -> int:
-    """CUDA's __byte_perm (prmt) for selectors whose nibbles are 0-7: byte i of the result is byte
-    (nibble i of the selector) of the 8 bytes {b, a}, a's bytes first."""
-    nibbles = [(selector >> (4 * i)) & 0xF for i in range(4)]
-    assert max(nibbles) < 8, f"selector {selector:#x} would sign-replicate a byte"
+    """prmt.b32 as PTX states it: byte i of the result is byte (nibble i of the selector) & 7 of
+    the 8 bytes {b, a} (a's bytes first), or, where the nibble's top bit is set, that byte's sign
+    bit replicated."""
     source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
-    return int.from_bytes(bytes(source[n] for n in nibbles), "little")
+    out = []
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = source[nibble & 7]
+        out.append((0xFF if byte & 0x80 else 0) if nibble & 8 else byte)
+    return int.from_bytes(bytes(out), "little")
 
 
 def _m8_constants() -> dict[str, int]:
@@ -90,6 +96,67 @@ def _source_expression(file: str, pattern: str, names: str) -> Callable[..., int
     assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
     expression = match.group(1).replace("ln.", "").replace("/", "//")  # C's / on ints is Python's //
     return eval(f"lambda {names}: {expression}")  # the repository's own source
+
+
+def _c_expression(file: str, pattern: str, names: str) -> Callable[..., int]:
+    """``_source_expression`` for C with unsigned literals (8u) and one ternary (a ? b : c)."""
+    match = re.search(pattern, (jit.kernels_dir() / file).read_text())
+    assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
+    expression = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)u\b", r"\1", match.group(1)).replace("ln.", "").replace("::", ".")
+    expression = expression.replace("/", "//")
+    expression = re.sub(r"\(([^()?]+) \? ([^():]+) : ([^()]+)\)", r"(\2 if \1 else \3)", expression)
+    return eval(f"lambda {names}: {expression}")  # the repository's own source
+
+
+_M8P = "matmul_4bit_m8_pairs.cu"
+_M8P_SOURCE = (jit.kernels_dir() / _M8P).read_text()
+
+
+def _m8p_define(name: str) -> int:
+    match = re.search(rf"^#define {name} (\d+)", _M8P_SOURCE, re.MULTILINE)
+    assert match, f"kernels/{_M8P} no longer defines {name} where this reads it"
+    return int(match.group(1))
+
+
+# kernels/matmul_4bit_m8_pairs.cu's pair table: its size, the byte masks of pair_addresses, lookup's
+# selector for byte b, the lane's offset and the entry each stored word holds, read from the source.
+PAIR_ROWS, PAIR_ROW_WORDS = _m8p_define("PAIR_ROWS"), _m8p_define("PAIR_ROW_WORDS")
+_PAIR_MASKS = re.search(r"return \{x & (0x[0-9a-f]+)u, lop3_and_or\(x, (0x[0-9a-f]+)u, lane_bytes\)\};", _M8P_SOURCE)
+assert _PAIR_MASKS, f"kernels/{_M8P} no longer has pair_addresses' masks where this reads them"
+LOW7_MASK, TOP_MASK = (int(v, 16) for v in _PAIR_MASKS.groups())
+PAIR_SELECTOR = _c_expression(_M8P, r"constexpr u32 sel = ([^;]+);", "kByte")
+LANE_BYTES = _c_expression(_M8P, r"const u32 lane_bytes = \(threadIdx\.x & 31\) \* ([^;]+);", "")()
+_PAIR_ENTRY = _c_expression(_M8P, r"const u32 v = code_pair\(([^;]+)\);", "row, quarter")
+
+
+def pair_table() -> list[int]:
+    """stage_pair_table: the entry (packed byte) each 4-byte word of the table holds."""
+    words = []
+    for i in range(PAIR_ROWS * PAIR_ROW_WORDS // 4):
+        row, quarter = i // (PAIR_ROW_WORDS // 4), i % (PAIR_ROW_WORDS // 4)
+        words += [_PAIR_ENTRY(row, quarter)] * 4
+    return words
+
+
+PAIR_TABLE = pair_table()
+
+
+def pair_address(word: int, byte: int, lane: int) -> int:
+    """The byte address (from the table's start) lookup<byte> reads for ``lane``."""
+    low7, top = word & LOW7_MASK, (word & TOP_MASK) | (lane * LANE_BYTES)
+    return byte_perm(low7, top, PAIR_SELECTOR(byte))
+
+
+def decode_pairs(word: int, scale: float, code: list[float], lane: int = 0) -> list[float]:
+    """Eight weights of one 32-bit word of packed codes in k order, through the pair table: byte
+    b's entry gives (code of its high nibble, code of its low nibble)."""
+    values = []
+    for byte in range(4):
+        address = pair_address(word, byte, lane)
+        assert address % 4 == 0 and address // 4 < len(PAIR_TABLE)
+        entry = PAIR_TABLE[address // 4]
+        values += [code[entry >> 4] * scale, code[entry & 0xF] * scale]
+    return values
 
 
 # The activation tile: chunk c (8 k) of token row r sits at this slot, for writes and reads alike,
@@ -196,6 +263,46 @@ M8 = Layout(
 )
 
 
+# --- kernels/matmul_4bit_m8_pairs.cu: the pair table, chunks of 64 or 32 k ---------------------------
+def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
+    """act_slot<chunk_k> of kernels/matmul_4bit_m8_pairs.cu, as (row, piece, pieces a row)."""
+    slot = _c_expression(
+        _M8P, r"int act_slot\(int row, int piece\) \{\s+return ([^;]+);", "row, piece, ACT_ROW_CHUNKS, kChunk"
+    )
+    return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
+
+
+_M8P_PIECE = _c_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g, ([^\]]+)\)\]", "c, kChunk, t, S, h")
+
+
+class _Shape:
+    """Shape<kChunk> of kernels/matmul_4bit_m8_pairs.cu as its piece expression reads it (``S::run``)."""
+
+    def __init__(self, chunk_k: int):
+        self.run = chunk_k // 4
+
+
+def m8_pairs_layout(chunk_k: int) -> Layout:
+    """kernels/matmul_4bit_m8_pairs.cu with chunks of ``chunk_k`` k (64, or 32 where K or the block size
+    asks): 256 k a step, lane t's run of chunk_k / 4 k at t * chunk_k / 4 of each chunk, mma
+    j % (chunk_k / 16) of chunk j // (chunk_k / 16) from bytes 2j, 2j + 1 of the run, decoded
+    through the pair table."""
+    per_chunk = chunk_k // 16
+    return Layout(
+        STEP_K_M8,
+        STEP_K_M8 // 16,
+        lambda step, j, t: step * STEP_K_M8 + (j // per_chunk) * chunk_k + t * chunk_k // 4,
+        lambda j: (j % per_chunk) // 2,
+        decode_pairs,
+        lambda j, t: _M8P_PIECE(j // per_chunk, chunk_k, t, _Shape(chunk_k), (j % per_chunk) // 2),
+        _m8p_act_slot(chunk_k),
+        _tile_slots(_M8P),
+    )
+
+
+M8P_64, M8P_32 = m8_pairs_layout(64), m8_pairs_layout(32)
+
+
 def a_operand(packed: bytes, scales, code, N: int, K: int, n0: int, step: int, j: int, layout: Layout) -> torch.Tensor:
     """Operand A (16 features x 16 k) of mma j of a step for the warp owning features n0 ..
     n0 + 15, assembled from what each lane loads (its 16-byte load, the word holding mma j's codes)
@@ -234,8 +341,8 @@ def stage_tile(act: torch.Tensor, step: int, K: int, layout: Layout) -> dict[int
         for c in range(row_chunks):
             k = step * layout.step_k + 8 * c
             slot = layout.slot(r, c, row_chunks)
-            # each row inside its own share of the kernel's tile: tiles of r and r + 1 tokens
-            assert slot not in tile and layout.tile_slots(r, row_chunks) <= slot < layout.tile_slots(r + 1, row_chunks)
+            # written once, and inside a tile of r + 1 tokens (the kernel's tiles are that size)
+            assert slot not in tile and 0 <= slot < layout.tile_slots(r + 1, row_chunks)
             if r >= M:
                 tile[slot] = torch.full((8,), float("nan"), dtype=torch.float64)
             else:

@@ -71,13 +71,16 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
     for res in resources.values():
         assert res["arch"] == target and 0 < res["registers"] <= 255
         assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
-    # The wide tiles' 16-entry code table (the 8-token kernel's codes are immediates), nested: the
-    # scales' 256-entry code book, and two stages of the activation tile (a step's k of every token,
-    # 2 bytes each; the 8-token and wgmma kernels' tiles have padded strides: their own rules).
-    table = 0 if source == matmul_kernel.SOURCE_M8 else 64
+    # The wide tiles' 16-entry code table, the nested 8-token kernel's pair table (256 entries of 4
+    # bytes, 32 copies each; the plain one's codes are immediates), nested: the scales' 256-entry code
+    # book, and two stages of the activation tile (a step's k of every token, 2 bytes each; the
+    # 8-token and wgmma kernels' tiles have padded strides: their own rules).
+    table = {matmul_kernel.SOURCE_M8: 0, matmul_kernel.SOURCE_M8_PAIRS: 256 * 4 * 32}.get(source, 64)
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
     if source == matmul_kernel.SOURCE_M8:  # a 16-byte slot of padding after every 8 chunks (128 bytes) of a row
+        activations += activations // 8
+    if source == matmul_kernel.SOURCE_M8_PAIRS:  # a row of 32 16-byte pieces has room for 4 of padding
         activations += activations // 8
     if source == matmul_kernel.SOURCE_SM90:  # 8 slices of 16 k, each padded by 16 bytes, from a 128-byte boundary
         activations = 2 * 8 * (variant.tokens * 16 * 2 + 16)
@@ -93,7 +96,8 @@ def test_every_kernel_takes_the_code_tables_from_the_one_header():
     table_bits = set(re.findall(r"0x[0-9a-f]{8}u", (jit.kernels_dir() / "format_4bit.cuh").read_text()))
     assert len(table_bits) >= 16
     includes = {"dequantize_4bit.cu": "format_4bit.cuh", "matmul_4bit_common.cuh": "format_4bit.cuh"}
-    includes |= {"matmul_4bit_m8.cu": "matmul_4bit_common.cuh", "matmul_4bit_step128.cuh": "matmul_4bit_common.cuh"}
+    includes |= {"matmul_4bit_m8.cu": "matmul_4bit_common.cuh", "matmul_4bit_m8_pairs.cu": "matmul_4bit_common.cuh"}
+    includes |= {"matmul_4bit_step128.cuh": "matmul_4bit_common.cuh"}
     includes |= {source: "matmul_4bit_step128.cuh" for source in (matmul_kernel.SOURCE_WIDE, matmul_kernel.SOURCE_SM90)}
     for source, header in includes.items():
         text = (jit.kernels_dir() / source).read_text()

@@ -117,7 +117,9 @@ def test_matmul_mode_computes_the_call_bitsandbytes_own_kernel_faults_on(bnb, cu
     with harness.bitsandbytes_patched(matmul=True):
         got = bitsandbytes.matmul_4bit(A, packed.t(), state)
     assert patch.routed_calls().get("gemm_4bit fused: ours", 0) - before == 1, "matmul mode took the call"
-    judged = mr.judge(got, mr.reference(A, harness.dequantize_4bit(packed, state), None, torch.bfloat16))
+    judged = mr.judge(
+        got, mr.fused_reference(A, packed, state, harness.dequantize_4bit(packed, state), None, torch.bfloat16)
+    )
     assert judged.ok, judged
 
 

@@ -126,7 +126,8 @@ _MATMUL_OTHER_GPU_SCRIPT = textwrap.dedent(
     device_after = torch.cuda.current_device()
     streams_kept = streams == (torch.cuda.current_stream(0), torch.cuda.current_stream(1))
     torch.cuda.synchronize(1)
-    in_bound = all(mr.judge(r, mr.reference(A, W, None, torch.bfloat16)).ok for r, A in zip(results, inputs))
+    refs = [mr.fused_reference(A, B, qs, W, None, torch.bfloat16) for A in inputs]
+    in_bound = all(mr.judge(r, ref).ok for r, ref in zip(results, refs))
     # The same call on GPU 0 (a GPU of the same model runs the same grid: the same bits).
     same_model = torch.cuda.get_device_name(0) == torch.cuda.get_device_name(1)
     with torch.cuda.device(0):

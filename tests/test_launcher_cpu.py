@@ -112,7 +112,12 @@ def test_matmul_params_match_the_one_parameter_list_every_fused_kernel_takes():
     match = re.search(r"#define MM_MAIN_PARAMS\s*\\\n(.*?)\n\n", common, re.DOTALL)
     assert match, "MM_MAIN_PARAMS not found"
     assert _kinds_of(match.group(1).replace("\\", " ")) == matmul_kernel.MAIN_PARAMS
-    for source in (matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_WIDE, matmul_kernel.SOURCE_SM90):
+    for source in (
+        matmul_kernel.SOURCE_M8,
+        matmul_kernel.SOURCE_M8_PAIRS,
+        matmul_kernel.SOURCE_WIDE,
+        matmul_kernel.SOURCE_SM90,
+    ):
         text = (jit.kernels_dir() / source).read_text()
         assert re.findall(r"matmul_4bit_kernel\(([^)]*)\)", text) == ["MM_MAIN_PARAMS"], source
 

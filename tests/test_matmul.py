@@ -362,15 +362,18 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 # wide kernel's; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
 @pytest.mark.parametrize(("N", "K"), [(48, 320), (200, 4096 + 96)], ids=["48x320", "200x4192"])
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
-def test_one_hot_rows_give_the_dequantization_kernels_bits(
+def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
+    """A one-hot row gives each feature's weight as the kernel forms it: the dequantization
+    kernel's bits, or round(fp32(scale * round(code))) (the 8-token kernel of nested weights)."""
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
     matmul.fused_matmul(A, B.t(), qs, out=out)
-    expected = W[:, columns].t().contiguous() + 0.0  # a -0.0 weight sums to +0.0
-    assert_bit_exact(out, expected, f"one-hot {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
+    arithmetic = matmul_kernel.arithmetic(M, nested)
+    expected = mr.one_hot_weights(arithmetic, B, qs, W)[:, columns].t().contiguous()
+    assert_bit_exact(out, expected, f"one-hot {arithmetic} {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
 
 
 @pytest.mark.gpu
@@ -388,7 +391,7 @@ def test_random_rows_stay_in_the_bound_and_no_worse_than_bitsandbytes(
     g = cases.seeded_generator(run_seed + M, cuda)
     A = torch.randn(M, K, generator=g, device=cuda).to(dtype)
     bias = torch.randn(N, generator=g, device=cuda).to(dtype) if with_bias else None
-    ref = mr.reference(A, W, bias, dtype)
+    ref = mr.fused_reference(A, B, qs, W, bias, dtype)
     ours = mr.judge(harness.matmul_4bit(A, B.t(), qs, bias=bias), ref)
     theirs = mr.judge(bitsandbytes.matmul_4bit(A, B.t(), qs, bias=bias), ref)
     assert ours.ok, ours
@@ -486,7 +489,7 @@ def test_bitsandbytes_shapes_and_forms(cuda, bnb, run_seed):
     B, qs, W = _weights(N, K, "nf4", 64, False, dtype, run_seed, cuda)
     A = torch.randn(2, 3, K, device=cuda).to(dtype)  # [batch, tokens, features]
     got = harness.matmul_4bit(A, B.t(), qs)
-    assert got.shape == (2, 3, N) and mr.judge(got, mr.reference(A, W, None, dtype)).ok
+    assert got.shape == (2, 3, N) and mr.judge(got, mr.fused_reference(A, B, qs, W, None, dtype)).ok
     out = poison_(torch.empty(2, 3, N, dtype=dtype, device=cuda))
     assert harness.matmul_4bit(A, B.t(), qs, out=out) is out
     assert_bit_exact(out, got, "out=")
@@ -514,8 +517,19 @@ def _lane_case(seed: int, M: int, N: int, K: int):
     return torch.randn(M, K, generator=g, dtype=torch.float64), packed, scales, code, W
 
 
-@pytest.mark.parametrize("kernel", ["M8", "WIDE"])
-@pytest.mark.parametrize(("M", "N", "K"), [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)])
+# The nested 8-token kernel runs chunks of 64 k where K % 64 == 0 (and blocks of 64 or more), else of 32.
+_LANE_CASES = [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)]
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "K", "kernel"),
+    [
+        (*case, kernel)
+        for case in _LANE_CASES
+        for kernel in ("M8", "M8P_64", "M8P_32", "WIDE")
+        if kernel != "M8P_64" or case[2] % 64 == 0
+    ],
+)
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
     """tests/matmul_lanes.py transcribes each kernel's per-lane loads, nibble order, table
     lookups, activation tile (staged, padded, NaN in the rows past M), fragment slots and
@@ -528,7 +542,7 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kernel", ["M8", "WIDE"])
+@pytest.mark.parametrize("kernel", ["M8", "M8P_64", "M8P_32", "WIDE"])
 def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
     """Every quarter warp's 16-byte accesses to the staged activation tile hit 8 different bank
     groups: each mma's reads (every token tile of 64 rows) and stage_activations' writes of
@@ -544,6 +558,24 @@ def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
     for first in range(0, 64 * row_chunks, 32):  # a warp's writes: chunks first .. first + 31 in row order
         slots = [layout.slot(e // row_chunks, e % row_chunks, row_chunks) for e in range(first, first + 32)]
         assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), first
+
+
+def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_seed):
+    """kernels/matmul_4bit_m8_pairs.cu's lookup: for any packed word, lane l's address for byte b holds
+    that byte's entry, in bank l (a warp's 32 lookups never conflict), inside the table; and the
+    table holds every entry once per bank."""
+    from tests import matmul_lanes as ml
+
+    table = ml.PAIR_TABLE
+    assert len(table) * 4 == ml.PAIR_ROWS * ml.PAIR_ROW_WORDS * 4 <= 48 * 1024
+    assert sorted((entry, word % 32) for word, entry in enumerate(table)) == sorted(
+        itertools.product(range(256), range(32))
+    )
+    g = torch.Generator().manual_seed(run_seed)
+    words = [0, 0xFFFFFFFF, 0x80808080, 0x7F7F7F7F, *torch.randint(0, 2**32, (200,), generator=g).tolist()]
+    for word, byte, lane in itertools.product(words, range(4), range(32)):
+        address = ml.pair_address(word, byte, lane)
+        assert table[address // 4] == (word >> (8 * byte)) & 0xFF and (address // 4) % 32 == lane, (word, byte, lane)
 
 
 @pytest.mark.parametrize(

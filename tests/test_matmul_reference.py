@@ -1,7 +1,9 @@
 """The 4-bit matmul's oracle on the CPU: its bound holds for bitsandbytes' own result and for fp32
 sums in other orders, it catches a result just outside it, it matches non-finite values by class,
 and one-hot rows of A turn the matmul into a copy of the weights (the part a fused kernel must
-get bit for bit)."""
+get bit for bit). The scaled-sums oracle (the 8-token kernel's arithmetic): its exact weights are
+the format's, its bound holds for that arithmetic emulated here and for bitsandbytes, and its
+one-hot weights are scale * round(code), not the dequantized bits."""
 
 from __future__ import annotations
 
@@ -90,6 +92,13 @@ def test_one_hot_rows_copy_the_weights_bit_for_bit(run_seed, dtype):
 def test_the_bound_refuses_operands_it_was_not_derived_for():
     with pytest.raises(ValueError, match="fp16/bf16"):
         mr.reference(torch.ones(1, 4), torch.ones(2, 4), None, torch.float32)
+    A = torch.ones(1, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="exact ones with a weight error"):
+        mr.reference(A, torch.ones(2, 4, dtype=torch.float64), None, torch.bfloat16)  # exact weights, no error
+    with pytest.raises(ValueError, match="exact ones with a weight error"):
+        mr.reference(A, torch.ones(2, 4, dtype=torch.bfloat16), None, torch.bfloat16, 2.0**-8)
+    with pytest.raises(ValueError, match="no such arithmetic"):
+        mr.kernel_reference("fused", A, None, None, None, None, torch.bfloat16)
     with pytest.raises(ValueError, match="no bound"):
         mr.gamma(1 << 23, mr.U_ACCUMULATE)
 
@@ -107,3 +116,69 @@ def test_model_distance_counts_only_the_positions_the_reference_decides():
     ours[0, 0] = torch.tensor([0.0, 3.5, 0.0])  # flips a decided lead
     assert dr.distance(ours, reference, 0.1).decided_misses == 1
     assert dr.relative_error(reference, reference) == 0.0
+
+
+def _scaled_sums(A: torch.Tensor, packed, state, chunk: int) -> torch.Tensor:
+    """The 8-token kernel's arithmetic (kernels/matmul_4bit_m8_pairs.cu) in fp32 on the CPU: codes rounded
+    to A's dtype, each chunk's products summed in fp32, its block's scale applied by one fma."""
+    from harness.correctness import reference as fr
+
+    N, K = state.shape
+    codes = fr.code_table(state.quant_type)[fr.unpack_nibbles(packed, N * K)].reshape(N, K)
+    rounded = codes.to(A.dtype).float()
+    scales = mr.block_scales(state).double()
+    acc = torch.zeros(A.shape[0], N, dtype=torch.float64)
+    for k0 in range(0, K, chunk):
+        part = A.float()[:, k0 : k0 + chunk] @ rounded[:, k0 : k0 + chunk].t()  # fp32
+        scale = scales[(torch.arange(N) * K + k0) // state.blocksize]
+        acc = (acc + part.double() * scale).float().double()  # one rounding: the fma's
+    return acc.float().to(A.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_the_scaled_sums_bound_holds_for_its_arithmetic_and_for_bitsandbytes(bnb, run_seed, dtype, quant_type):
+    """Nested weights, the only ones the scaled-sums kernel takes (plain ones measured 5-14% less
+    accurate than bitsandbytes' in that arithmetic: kernels/NOTES.md)."""
+    import bitsandbytes
+
+    from harness.runtime import matmul_kernel
+
+    assert [matmul_kernel.arithmetic(m, nested) for m in (1, 8, 9) for nested in (True, False)] == [
+        "scaled-sums", "dequantized", "scaled-sums", "dequantized", "dequantized", "dequantized",
+    ]  # fmt: skip
+    q, state, W = _weights(48, 1024, dtype, quant_type, True, run_seed)
+    A = torch.randn(5, 1024, generator=torch.Generator().manual_seed(run_seed + 1)).to(dtype)
+    ref = mr.kernel_reference("scaled-sums", A, q, state, W, None, dtype)
+    ours = mr.judge(_scaled_sums(A, q, state, 64), ref)
+    assert ours.ok and mr.judge(bitsandbytes.matmul_4bit(A, q.t(), state), ref).ok
+    # bitsandbytes' CUDA arithmetic: its dequantized weights, products summed in fp32. Rounding the
+    # codes loses no more than rounding the products (tests/test_matmul.py holds the GPU kernels to it).
+    theirs = mr.judge((A.float() @ W.float().t()).to(dtype), ref)
+    assert ours.error_norm <= 1.01 * theirs.error_norm, (ours, theirs)
+    # And the bound is tight enough to catch a result off by a few codes' rounding.
+    off = _scaled_sums(A, q, state, 64).double()
+    off[2, 7] += 4 * mr.UNIT[dtype] * float((A.double().abs() @ mr.exact_weights(q, state).abs().t())[2, 7])
+    assert mr.judge(off, ref).outside == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)])
+def test_exact_weights_are_the_formats_and_one_hot_weights_are_the_kernels(run_seed, dtype, quant_type, nested):
+    """exact_weights rounded once is the format reference's dequantization (subnormals kept); the
+    scaled-sums one-hot weights are fp32(scale * round(code)) rounded, which differ from the
+    dequantized bits for some weights (a bf16 product rounds differently from a bf16 code)."""
+    from harness.correctness import reference as fr
+
+    q, state, W = _weights(64, 256, dtype, quant_type, nested, run_seed)
+    exact = mr.exact_weights(q, state)
+    assert exact.dtype == torch.float64
+    dequantized = fr.dequantize_state(q, state, ftz=False)
+    assert torch.equal(exact.float().to(dtype).view(torch.int16), dequantized.view(torch.int16))
+    one_hot = mr.one_hot_weights("scaled-sums", q, state, W)
+    codes = fr.code_table(quant_type)[fr.unpack_nibbles(q, 64 * 256)].reshape(64, 256)
+    scales = mr.block_scales(state)[(torch.arange(64 * 256) // 64).reshape(64, 256)]
+    by_hand = (scales * codes.to(dtype).float()).to(dtype) + 0.0
+    assert torch.equal(one_hot.view(torch.int16), by_hand.view(torch.int16))
+    assert not torch.equal(one_hot.view(torch.int16), (W + 0.0).view(torch.int16))
+    assert torch.equal(mr.one_hot_weights("dequantized", q, state, W).view(torch.int16), (W + 0.0).view(torch.int16))

@@ -505,7 +505,7 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     for header in ("format_4bit.cuh", "matmul_4bit_common.cuh", "matmul_4bit_step128.cuh"):
         (tmp_path / header).write_text((JUDGE_ROOT / "kernels" / header).read_text())
     original = (JUDGE_ROOT / dq.kernels[0]).read_text()
-    source = (tmp_path / "k.cu", tmp_path / "k32.cu", tmp_path / "mm8.cu", tmp_path / "mm.cu", tmp_path / "mm90.cu")
+    source = (tmp_path / "k.cu", tmp_path / "k32.cu", *(tmp_path / f"mm{n}.cu" for n in ("8", "8p", "", "90")))
     source[0].write_text(planted.planted_source(original, 0.02))
     source[1].write_text(planted.planted_source(original, 0.10, only_fp32=True))
     for path, kernel in zip(source[2:], mm.kernels, strict=True):
@@ -519,12 +519,13 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     assert "PLANTED_ON 1" in source[0].read_text() and "(DQ_OUT == 2)" in source[1].read_text()
     variants = [(path, KernelVariant("nf4", out, True)) for path in source[:2] for out in ("fp16", "fp32")]
     variants += [
-        (source[2], MatmulVariant("bf16", "nf4", True, 8)),
-        (source[3], MatmulVariant("bf16", "nf4", True, 16)),
+        (source[2], MatmulVariant("bf16", "nf4", False, 8)),
+        (source[3], MatmulVariant("bf16", "nf4", True, 8)),
         (source[4], MatmulVariant("bf16", "nf4", True, 16)),
+        (source[5], MatmulVariant("bf16", "nf4", True, 16)),
     ]
     for path, v in variants:
-        arch = "sm_90a" if path == source[4] else "sm_90"  # the Hopper kernel's wgmma
+        arch = "sm_90a" if path == source[5] else "sm_90"  # the Hopper kernel's wgmma
         macros = v.macros("sm_90") if isinstance(v, MatmulVariant) else v.macros()
         spec = jit.CompileSpec(source=path, arch=arch, macros=macros, label=v.name)
         assert jit.compile_kernel(spec, use_cache=False).cubin

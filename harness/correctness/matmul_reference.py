@@ -17,6 +17,22 @@ The derivation, for fp16/bf16 ``A`` and ``W`` (``W`` holds our dequantization ke
 - The fp64 reference itself errs by at most ``γ₆₄(n−1) · S`` (``u = 2^-53``), added to the bound.
 
 Where the reference is NaN the result must be NaN; where it is ±inf, the same infinity.
+
+The 8-token kernel of nested weights multiplies other weights ("scaled sums",
+``kernels/matmul_4bit_m8_pairs.cu``): each
+code rounded to A's dtype, the block's fp32 scale applied to the fp32 sum of each chunk of k by one
+fma. Its reference takes the exact weights ``code · scale`` in fp64 (``exact_weights``), and its
+bound two more terms:
+
+- The rounded code differs from the code by at most ``u_d · |code|`` (``u_d`` = 2^-11 for fp16,
+  2^-8 for bf16: every code is a normal number in both), so the sum of the exact products differs
+  by at most ``u_d · S``.
+- The scale multiplies an fp32 partial sum inside an fma, exactly; the products it scales are
+  exact, so the K products still pass through at most K − 1 roundings, each term ``(1 + u_d)``
+  times its exact size at most: ``γ(n−1) · (1 + u_d) · S``.
+
+Its one-hot result is ``round_out(fp32(scale · round_d(code)))`` (``scaled_sum_weights``), tested
+bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from harness.correctness import reference as format_reference
 
 U_ACCUMULATE = 2.0**-23  # fp32 additions, rounding toward zero allowed
 U_REFERENCE = 2.0**-53  # fp64
@@ -49,10 +67,20 @@ class Reference:
     bound: torch.Tensor  # fp64, same shape; inf where value is not finite
 
 
-def reference(A: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> Reference:
-    """``A`` [..., K] and ``W`` [N, K] in fp16/bf16; ``bias`` [N] or None; ``out_dtype`` the result's."""
-    if A.dtype not in (torch.float16, torch.bfloat16) or W.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the bound holds for fp16/bf16 operands, got A {A.dtype} and W {W.dtype}")
+# Unit roundoff of rounding a normal value to nearest in each operand dtype.
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def reference(
+    A: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, weight_error: float = 0.0
+) -> Reference:
+    """``A`` [..., K] in fp16/bf16; ``W`` [N, K] the weights the kernel multiplies in fp16/bf16, or
+    the exact weights in fp64 with ``weight_error`` the relative error of the kernel's own;
+    ``bias`` [N] or None; ``out_dtype`` the result's."""
+    if A.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the bound holds for fp16/bf16 activations, got A {A.dtype}")
+    if W.dtype not in ((torch.float64,) if weight_error else (torch.float16, torch.bfloat16)):
+        raise ValueError(f"W {W.dtype}: fp16/bf16 weights, or fp64 exact ones with a weight error")
     a, w = A.double(), W.double()
     value = a @ w.t()
     magnitude = a.abs() @ w.abs().t()
@@ -62,7 +90,9 @@ def reference(A: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, out_d
         magnitude = magnitude + bias.double().abs()
         terms += 1
     unit, tiny = _OUT_ROUNDING[out_dtype]
-    sum_error = (gamma(terms - 1, U_ACCUMULATE) + gamma(terms - 1, U_REFERENCE)) * magnitude
+    sum_error = (
+        weight_error + gamma(terms - 1, U_ACCUMULATE) * (1 + weight_error) + gamma(terms - 1, U_REFERENCE)
+    ) * magnitude
     bound = sum_error + unit * (value.abs() + sum_error) + tiny
     return Reference(value, torch.where(value.isfinite(), bound, torch.full_like(bound, float("inf"))))
 
@@ -106,3 +136,69 @@ def one_hot_rows(M: int, K: int, dtype: torch.dtype, device, seed: int) -> tuple
     A = torch.zeros(M, K, dtype=dtype)
     A[torch.arange(M), columns] = 1.0
     return A.to(device), columns.to(device)
+
+
+def block_scales(quant_state) -> torch.Tensor:
+    """The fp32 scale of every block, as the kernels form it before multiplying (nested: two fp32
+    operations, the multiply flushing subnormals as bitsandbytes' CUDA build does)."""
+    qs = quant_state
+    if qs.state2 is None:
+        return qs.absmax.reshape(-1).to(torch.float32)
+    return format_reference.nested_absmax(qs.absmax, qs.state2.code, qs.state2.absmax, qs.state2.blocksize, qs.offset)
+
+
+def _codes_and_scales(packed: torch.Tensor, quant_state) -> tuple[torch.Tensor, torch.Tensor]:
+    qs = quant_state
+    n = int(torch.Size(qs.shape).numel())
+    codes = format_reference.code_table(qs.quant_type, packed.device)[format_reference.unpack_nibbles(packed, n)]
+    scales = block_scales(qs).to(packed.device)[torch.arange(n, device=packed.device) // qs.blocksize]
+    return codes.reshape(qs.shape), scales.reshape(qs.shape)
+
+
+def exact_weights(packed: torch.Tensor, quant_state) -> torch.Tensor:
+    """``code · scale`` of every weight in fp64, unrounded: what the format means."""
+    codes, scales = _codes_and_scales(packed, quant_state)
+    return codes.double() * scales.double()
+
+
+def scaled_sum_weights(packed: torch.Tensor, quant_state, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``scale · round_d(code)`` (one rounding, subnormals kept): the scaled-sums kernel's
+    result for a one-hot activation, before its rounding to the output dtype."""
+    codes, scales = _codes_and_scales(packed, quant_state)
+    return scales * codes.to(dtype).to(torch.float32)
+
+
+def kernel_reference(
+    arithmetic: str, A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> Reference:  # fmt: skip
+    """The reference and bound of a fused kernel of ``arithmetic`` (``harness.runtime.matmul_kernel.
+    ARITHMETIC``): ``dequantized`` multiplies the dequantization kernel's bits (``dequantized``);
+    ``scaled-sums`` rounds the codes (the exact weights' reference, ``UNIT`` of A's dtype)."""
+    if arithmetic == "dequantized":
+        return reference(A, dequantized, bias, out_dtype)
+    if arithmetic == "scaled-sums":
+        return reference(A, exact_weights(packed, quant_state), bias, out_dtype, UNIT[A.dtype])
+    raise ValueError(f"no such arithmetic: {arithmetic!r}")
+
+
+def fused_reference(
+    A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> Reference:  # fmt: skip
+    """``kernel_reference`` of the fused kernel that multiplies A's rows (by their count)."""
+    from harness.runtime import matmul_kernel
+
+    rows = A.numel() // A.shape[-1] if A.shape[-1] else 0
+    arithmetic = matmul_kernel.arithmetic(max(rows, 1), quant_state.state2 is not None)
+    return kernel_reference(arithmetic, A, packed, quant_state, dequantized, bias, out_dtype)
+
+
+def one_hot_weights(arithmetic: str, packed: torch.Tensor, quant_state, dequantized: torch.Tensor) -> torch.Tensor:
+    """What a one-hot activation at column k gives for every feature, as [N, K] in the output
+    dtype (a −0.0 weight sums to +0.0)."""
+    if arithmetic == "dequantized":
+        return dequantized + 0.0
+    if arithmetic == "scaled-sums":
+        return scaled_sum_weights(packed, quant_state, dequantized.dtype).to(dequantized.dtype) + 0.0
+    raise ValueError(f"no such arithmetic: {arithmetic!r}")

@@ -124,7 +124,7 @@ def _matmul_cases(inputs: str, device) -> int:
         g = cases.seeded_generator(M, device)
         A = torch.randn(M, K, generator=g, device=device).to(dtype)
         bias = torch.randn(N, generator=g, device=device).to(dtype)
-        expected = mr.reference(A, api.dequantize_4bit(B, qs), bias, dtype)
+        expected = mr.fused_reference(A, B, qs, api.dequantize_4bit(B, qs), bias, dtype)
         for host_path in (contextlib.nullcontext, api.python_path_only):  # the compiled entry, then Python's
             out = poison_(torch.empty(M, N, dtype=dtype, device=device))
             with host_path():

@@ -243,7 +243,7 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
         calls = _matmul_calls(x, B, qs)
         with torch.no_grad():
             us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
-            verdict = mr.judge(calls["ours fused"](), mr.reference(x, W, None, torch.bfloat16))
+            verdict = mr.judge(calls["ours fused"](), mr.fused_reference(x, B, qs, W, None, torch.bfloat16))
         roofline_us = catalog.matmul_bytes(N, K, m) / copy_gbps / 1e3
         rows.append(
             {

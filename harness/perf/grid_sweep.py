@@ -140,7 +140,7 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
         variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M))
         plan = matmul_kernel.plan(variant, device.index)
         grids = candidate_grids(plan, M, N, K, variant.tokens)
-        times, in_bound = time_grids(timer, x, B, qs, mr.reference(x, W, None, torch.bfloat16), grids)
+        times, in_bound = time_grids(timer, x, B, qs, mr.fused_reference(x, B, qs, W, None, torch.bfloat16), grids)
         case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens}
         out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
         print(json.dumps(out[-1]), flush=True)

@@ -123,7 +123,7 @@ class Stage:
 
         lent = self.lent
         W = F.dequantize_4bit(lent["A"], lent["qs"])
-        return [matmul_reference.reference(x, W, None, x.dtype) for x in lent["variants"]]
+        return [matmul_reference.fused_reference(x, lent["A"], lent["qs"], W, None, x.dtype) for x in lent["variants"]]
 
     def lent_to(self, side: str) -> Lent:
         """The case's buffers with a new evidence buffer of ``side``'s own."""

@@ -1,6 +1,7 @@
 """The fused 4-bit matmul kernels, everything about them in one place: their variants (up to 8
-tokens a tile ``kernels/matmul_4bit_m8.cu``, more ``kernels/matmul_4bit.cu``, or on Hopper
-``kernels/matmul_4bit_sm90.cu``; one parameter list),
+tokens a tile ``kernels/matmul_4bit_m8_pairs.cu`` for nested scales, ``kernels/matmul_4bit_m8.cu``
+for plain ones; more ``kernels/matmul_4bit.cu``, or on Hopper ``kernels/matmul_4bit_sm90.cu``; one
+parameter list),
 the shapes they take, the launch plan (token tile, split of K) and the launch on a raw stream: the
 main kernel, writing the output itself when K is not split or its splits run as one thread block
 cluster (sm_90 on), else its partial sums into a workspace that ``matmul_4bit_finish`` adds in split
@@ -17,10 +18,14 @@ from dataclasses import dataclass
 
 from harness.runtime import jit, launcher
 
-# Up to 8 tokens each decoded weight feeds one mma, so the decode is the work: per-block register
-# tables; with more, the shared-memory code table, whose few registers keep more warps in flight.
-SOURCE_M8, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit.cu"
-M8_TOKENS = 8  # the token tile SOURCE_M8 runs; the wider ones run SOURCE_WIDE
+# Up to 8 tokens each decoded weight feeds one mma, so the decode is the work. With nested scales, a
+# shared-memory table of code pairs, the scale applied to fp32 sums (SOURCE_M8_PAIRS: 2.7 instead of
+# 4.6 instructions a weight); with plain ones that arithmetic measured 5-14% less accurate than
+# bitsandbytes' (its low-precision absmax makes many of bitsandbytes' roundings exact), so they keep
+# per-block register tables of the dequantized weights (SOURCE_M8). With more tokens, the
+# shared-memory code table, whose few registers keep more warps in flight. kernels/NOTES.md.
+SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_pairs.cu", "matmul_4bit.cu"
+M8_TOKENS = 8  # the token tile SOURCE_M8 and SOURCE_M8_PAIRS run; the wider ones run SOURCE_WIDE
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
 # steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
@@ -34,6 +39,10 @@ TOKEN_TILES = (8, 16, 32, 64)  # tokens one warp multiplies each decoded weight 
 # activation tile: at 64 tokens, 8 warps halve its share per weight (H100, 28672x8192: 242 -> 192 µs),
 # while the smaller tiles and weights lose more to the fewer, larger blocks (kernels/NOTES.md).
 WARPS = {8: 4, 16: 4, 32: 4, 64: 8}
+# How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
+# one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
+# rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
+ARITHMETIC = {SOURCE_M8_PAIRS: "scaled-sums"}  # every other source: "dequantized"
 STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
@@ -67,7 +76,7 @@ class MatmulVariant:
     def build(self, arch: str) -> tuple[str, str]:
         """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
         if self.tokens == M8_TOKENS:
-            return SOURCE_M8, arch
+            return (SOURCE_M8_PAIRS if self.nested else SOURCE_M8), arch
         if arch in WGMMA_TARGETS:
             return SOURCE_SM90, WGMMA_TARGETS[arch]
         return SOURCE_WIDE, arch
@@ -125,6 +134,13 @@ def token_tile(m: int) -> int:
     return next((t for t in TOKEN_TILES if m <= t), TOKEN_TILES[-1])
 
 
+def arithmetic(m: int, nested: bool) -> str:
+    """``ARITHMETIC`` of the kernel that multiplies ``m`` tokens of a weight with nested scales or not
+    (the same on every GPU arch: only the wide tiles' source depends on it)."""
+    source = MatmulVariant(DTYPES[0], QUANT_TYPES[0], nested, token_tile(m)).build("sm_80")[0]
+    return ARITHMETIC.get(source, "dequantized")
+
+
 def takes_shape(K: int, blocksize: int) -> bool:
     """Shapes the kernel computes: K a multiple of 32 (every model's is), blocks of 32 or more."""
     return K > 0 and K % K_MULTIPLE == 0 and blocksize >= K_MULTIPLE
@@ -173,7 +189,7 @@ CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 # driver's leave, `launcher.allow_nonportable_clusters`); the Hopper kernel at 64 tokens in pairs
 # (the only size measured there). Compiled into the 16- and 32-token kernels the epilogue made their
 # main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
-CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
+CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_M8_PAIRS, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
 PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
 # Clusters of more than 2 splits pay in grids of at most a block an SM; and of at most this many
 # blocks an SM with splits of at most this many steps. First fit to grids against the finish at one

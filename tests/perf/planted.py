@@ -24,12 +24,13 @@ from pathlib import Path
 class Target:
     """Kernels the slowdown can be planted in: their sources, and in each its entry line, a
     statement near the start and its last lines (where the planted code goes; each must occur
-    once), and the condition of the builds its ``--only-fp32`` form slows down."""
+    once; no ``end``: the kernel is the file's last function, its closing brace the file's last),
+    and the condition of the builds its ``--only-fp32`` form slows down."""
 
     kernels: tuple[Path, ...]
     entry: str
     start: str
-    end: str
+    end: str | None
     fp32_only: str
 
 
@@ -42,10 +43,10 @@ TARGETS = {
         "(DQ_OUT == 2)",
     ),
     "matmul": Target(
-        tuple(Path("kernels") / f"matmul_4bit{name}.cu" for name in ("_m8", "", "_sm90")),
+        tuple(Path("kernels") / f"matmul_4bit{name}.cu" for name in ("_m8", "_m8_pairs", "", "_sm90")),
         'extern "C" __global__ void __launch_bounds__(',
-        "    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n",
-        "    store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));\n}\n",
+        "    MM_SCALES_PROLOGUE;\n",
+        None,  # after the epilogue's store_tile, the main kernel's last statement
         "0",  # no fp32-output build
     ),
 }
@@ -83,14 +84,19 @@ _AT_END = """    // PLANTED SLOWDOWN: the last block to finish stretches the lau
 
 def planted_source(source: str, stretch: float, only_fp32: bool = False, target: Target = TARGETS["dequantize"]) -> str:
     """``source`` (``target``'s kernel) with the stretch planted (see the module docstring)."""
-    for anchor in (target.entry, target.start, target.end):
+    for anchor in (target.entry, target.start, *((target.end,) if target.end else ())):
         if source.count(anchor) != 1:
             raise ValueError(f"the kernel no longer has the planted slowdown's anchor {anchor.strip()!r}")
+    if target.end is None and "__global__" in source[source.index(target.entry) + len(target.entry) :]:
+        raise ValueError("the kernel is no longer its file's last function, where the slowdown ends")
     if not 0 < stretch < 10:
         raise ValueError(f"stretch must be in (0, 10), got {stretch}")
     macros = f"#define PLANTED_STRETCH {stretch!r}\n#define PLANTED_ON {target.fp32_only if only_fp32 else '1'}\n"
     source = source.replace(target.entry, macros + _GLOBALS + target.entry)
     source = source.replace(target.start, target.start + _AT_START)
+    if target.end is None:
+        cut = source.rindex("\n}\n") + 1
+        return source[:cut] + _AT_END + source[cut:]
     end_body = target.end[: -len("}\n")]
     return source.replace(target.end, end_body + _AT_END + "}\n")
 

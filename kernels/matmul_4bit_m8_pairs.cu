@@ -1,0 +1,396 @@
+// Fused 4-bit matmul for up to 8 tokens (decode) of a weight with nested scales: out[m, n] =
+// sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed format (kernels/dequantize_4bit.cu
+// states it), never written out. Plain scales run matmul_4bit_m8.cu (this arithmetic measured less
+// accurate than bitsandbytes' there: kernels/NOTES.md); more tokens matmul_4bit.cu
+// (matmul_4bit_sm90.cu on Hopper); matmul_4bit_common.cuh holds the macros, the host contract, the
+// mma and the epilogue they share.
+//
+// Arithmetic (differs from the wider kernels, which multiply dequantized weights): a weight's code
+// is rounded once to A's dtype, multiplied by the activations in mma.sync (exact products, fp32
+// sums), and the block's fp32 scale, formed as the dequantization kernel forms it, multiplies the
+// fp32 sum of each CHUNK of k inside one scale block, added to the fp32 accumulator by one fma:
+//   acc += scale_b * sum_{k in chunk} round(code[c_k]) * a_k,   out = round(acc (+ splits, + bias)).
+// So a one-hot row gives round_out(fp32(scale * round(code))), not the dequantized weight's bits,
+// and the error against the exact weights (code * scale, fp64) is the codes' rounding (2^-11 fp16,
+// 2^-8 bf16, relative) plus fp32 sums: measured below bitsandbytes' with nested (full fp32) scales.
+// harness/correctness/matmul_reference.py states the bound and emulates the one-hot case.
+//
+// Why: decoding a weight is the work at one token tile (every decoded weight feeds one mma). With
+// the scale off the weight, the decode is a lookup in a fixed table of pairs, two weights (one
+// packed byte) a lookup: a byte placed into an address by one prmt and one shared-memory load (the
+// table's base rides in the load's uniform register). 32 copies of each entry, one per bank, so a
+// warp's 32 random bytes never conflict: entry e's copy for lane l is word 64 * (e & 127) + 32 *
+// (e >> 7) + l, 32 KB. The register tables cost 2 prmt and 0.6 other instructions per weight plus a
+// table per scale block; this costs 1.25 per weight (2.71 a weight in all, 4.58 before: NOTES).
+//
+// Layout: mma.sync.m16n8k16, weights as operand A (16 features x 16 k), activations as operand B
+// (16 k x 8 tokens). One warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and
+// g + 8. A chunk (CHUNK_K k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the
+// chunk's k t * CHUNK_K / 4 .. + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and
+// mma j takes its codes 4j .. 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j
+// are k 4j + {0, 1} and 4j + {2, 3} of lane t's run, identically for both operands.
+#define STEP_K 256  // k one warp covers per step
+#include "matmul_4bit_common.cuh"
+
+#if MM_TOKENS != 8
+#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
+#endif
+// 96 registers a thread: 5 blocks of 4 warps an SM (kernels/NOTES.md).
+#define MIN_BLOCKS 4
+
+// prmt.b32 (byte permute) as PTX states it: a selector nibble with its top bit set replicates the
+// sign bit of the byte it picks.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// (a & b) | c in one lop3: with two constants the compiler splits it into two, one immediate each.
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+#define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
+#define PAIR_ROW_WORDS 64  // 32 copies of each
+
+// Entry e: code[e >> 4] (the byte's high nibble, the lower k) in the low half, code[e & 15] in the
+// high half, each rounded to nearest in A's dtype.
+__constant__ unsigned c_code_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
+
+__device__ __forceinline__ u32 code_pair(int e) {
+    return pack2(__uint_as_float(c_code_bits[e >> 4]), __uint_as_float(c_code_bits[e & 15]));
+}
+
+// The table by the block's threads, 16 bytes (4 copies of one entry) a store.
+__device__ __forceinline__ void stage_pair_table(u32* table) {
+    for (int i = threadIdx.x; i < PAIR_ROWS * PAIR_ROW_WORDS / 4; i += MM_WARPS * 32) {
+        const int row = i / (PAIR_ROW_WORDS / 4), quarter = i % (PAIR_ROW_WORDS / 4);
+        const u32 v = code_pair(row | (quarter >= 8 ? 128 : 0));
+        reinterpret_cast<uint4*>(table)[i] = make_uint4(v, v, v, v);
+    }
+}
+
+// Looks up the 4 bytes of a packed word for one lane: `lane_bytes` holds lane * 4 in every byte.
+// A byte e's address is (e & 127) * 256 + (e >> 7) * 128 + lane * 4: its low 7 bits go to the
+// address's second byte, its top bit with the lane's offset to the first, zeros above (the sign
+// of a byte whose top bit is clear). Two instructions a word, then one prmt a byte.
+struct PairAddresses {
+    u32 low7, top;
+};
+
+__device__ __forceinline__ PairAddresses pair_addresses(u32 x, u32 lane_bytes) {
+    return {x & 0x7f7f7f7fu, lop3_and_or(x, 0x80808080u, lane_bytes)};
+}
+
+template <int kByte>
+__device__ __forceinline__ u32 lookup(const u32* table, const PairAddresses& a) {
+    constexpr u32 sel = ((8u | kByte) << 12) | ((8u | kByte) << 8) | (kByte << 4) | (4u + kByte);
+    const u32 offset = prmt(a.low7, a.top, sel);
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(table) + offset);
+}
+
+// Weights are read once: streaming loads. kWords 32-bit words of a lane's run of one feature.
+template <int kWords>
+struct Run {
+    u32 w[kWords];
+};
+
+template <int kWords>
+__device__ __forceinline__ Run<kWords> load_run(const unsigned char* p) {
+    Run<kWords> r;
+    if constexpr (kWords == 2) {
+        const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+        r.w[0] = v.x;
+        r.w[1] = v.y;
+    } else {
+        r.w[0] = __ldcs(reinterpret_cast<const unsigned*>(p));
+    }
+    return r;
+}
+
+// A lane's rows: its two features' packed bytes from the lane's run of the first chunk on, and, as
+// element indices of the flattened weight (for their scales), the first k whose scale the lane
+// loads; its token row g of the activation tile. Features past N are clamped to the last one: an
+// output depends on its own feature and token only, and those outputs are never stored, so nothing
+// but K is bounded.
+struct Lane {
+    const unsigned char* w_lo;
+    i64 e_lo;
+    int to_hi;  // elements from the first feature's row to the second's (8 rows, fewer when clamped)
+    int g, t;
+};
+
+template <int kChunk>
+struct Shape {
+    static constexpr int chunks = STEP_K / kChunk;  // chunks a step
+    static constexpr int run = kChunk / 4;          // k of a lane's run in a chunk
+    static constexpr int words = kChunk / 32;       // 32-bit words of packed codes in a run
+    static constexpr int scales = chunks / 4;       // chunks whose scales a lane loads (c % 4 == t)
+};
+
+// One step's weights of a lane (each chunk's runs of its two features) and the scale parts of the
+// chunks c with c % 4 == t, which lanes share by shuffles (the 4 lanes of a feature pair need the
+// same scales).
+template <int kChunk>
+struct StepWeights {
+    Run<Shape<kChunk>::words> lo[Shape<kChunk>::chunks], hi[Shape<kChunk>::chunks];
+    ScaleParts p_lo[Shape<kChunk>::scales], p_hi[Shape<kChunk>::scales];
+};
+
+// Chunk c of step `step` of a lane's runs. A step inside K (kInside) reads its chunks at fixed
+// offsets from the step's start; the tail reads a chunk past K at K's last chunk instead (never
+// used: its compute skips it), so no load faults.
+template <int kChunk, bool kInside>
+__device__ __forceinline__ void load_chunk(StepWeights<kChunk>& w, int c, int step, const Lane& ln, int K) {
+    using S = Shape<kChunk>;
+    const int k0 = step * STEP_K;
+    const int at = kInside ? c * kChunk / 2 : (min(k0 + c * kChunk, K - kChunk) - k0) >> 1;  // even: exact
+    const unsigned char* lo = ln.w_lo + (static_cast<u32>(k0) >> 1) + at;
+    w.lo[c] = load_run<S::words>(lo);
+    w.hi[c] = load_run<S::words>(lo + (ln.to_hi >> 1));
+}
+
+// The scale parts of step `step` a lane loads; zeros past K.
+template <int kChunk, bool kInside>
+__device__ __forceinline__ void load_scales(StepWeights<kChunk>& w, int step, const Lane& ln, int K,
+                                            const void* absmax, const float* absmax2, int bs_log2, int bs2_log2) {
+#pragma unroll
+    for (int i = 0; i < Shape<kChunk>::scales; ++i) {
+        const int k = step * STEP_K + 4 * i * kChunk;  // the lane's scale chunk starts at e + k (e: its first)
+        const bool ok = kInside || k + ln.t * kChunk < K;
+        w.p_lo[i] = load_scale(ln.e_lo + k, ok, absmax, absmax2, bs_log2, bs2_log2);
+        w.p_hi[i] = load_scale(ln.e_lo + ln.to_hi + k, ok, absmax, absmax2, bs_log2, bs2_log2);
+    }
+}
+
+// The whole of step `step` (a split's first).
+template <int kChunk>
+__device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, const Lane& ln, int K, const void* absmax,
+                                          const float* absmax2, int bs_log2, int bs2_log2) {
+    if ((step + 1) * STEP_K <= K) {
+#pragma unroll
+        for (int c = 0; c < Shape<kChunk>::chunks; ++c) load_chunk<kChunk, true>(w, c, step, ln, K);
+        load_scales<kChunk, true>(w, step, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    } else {
+#pragma unroll
+        for (int c = 0; c < Shape<kChunk>::chunks; ++c) load_chunk<kChunk, false>(w, c, step, ln, K);
+        load_scales<kChunk, false>(w, step, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    }
+}
+
+// Piece p (16 bytes, 8 k) of token row r sits in slot r * stride + p: one padding slot a row at
+// chunks of 64 (a quarter warp reads pieces 2t + h of rows 2q and 2q + 1: 8 different 16-byte bank
+// groups), four at chunks of 32 (pieces t of the same rows).
+template <int kChunk>
+__device__ __forceinline__ int act_slot(int row, int piece) {
+    return row * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) + piece;
+}
+
+#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + 4))  // slots of one stage, either padding
+#define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)    // rows a block's threads cover
+#define ACT_ROWS_A_THREAD (MM_TOKENS / ACT_ROW_STRIDE)
+static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
+              "a block's threads must split the activation tile into whole rows of pieces");
+
+// What a thread stages each step: piece threadIdx.x % 32 of rows ACT_ROW_STRIDE apart, from its
+// rows' first k on (rows past M: none). Its slot and k are formed again each step: registers held
+// through the main loop are the scarce ones.
+struct ActSource {
+    const elem_t* from;  // the first row's piece; each next row ACT_ROW_STRIDE * K elements on
+    int rows;            // of the thread's rows, those inside M
+};
+
+template <int kChunk>
+__device__ __forceinline__ ActSource act_source(const elem_t* __restrict__ A, i64 m0, int rows, int K) {
+    const int r = threadIdx.x / ACT_ROW_CHUNKS;
+    return {A + (m0 + min(r, rows - 1)) * K + 8 * (threadIdx.x % ACT_ROW_CHUNKS),
+            r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0};
+}
+
+// Stage k0 .. k0 + STEP_K as one cp.async group; pieces past K as zeros.
+template <int kChunk>
+__device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& s, const elem_t* __restrict__ A,
+                                                  int k0, int K) {
+    const int c = threadIdx.x % ACT_ROW_CHUNKS, slot = act_slot<kChunk>(threadIdx.x / ACT_ROW_CHUNKS, c);
+    const bool ok = k0 + 8 * c < K;
+#pragma unroll
+    for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
+        if (i < s.rows)
+            cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
+                       ok ? s.from + (i64)i * ACT_ROW_STRIDE * K + k0 : A, ok);
+    cp_async_commit();
+}
+
+// mma with a zero accumulator in (the chunk's first).
+__device__ __forceinline__ void mma_zero(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    c[0] = c[1] = c[2] = c[3] = 0.0f;
+    mma(c, a, b0, b1);
+}
+
+// One step of a warp, from `w` (its weights and scale parts), which it refills with the next step's
+// as it goes (when `more`): each chunk's registers right after its mmas read them, the scale parts
+// once the scales are formed, so every load has a step of decoding to arrive in, with one step's
+// registers. kTail: the step reaches past K, whose chunks it skips (and the split ends with it);
+// kNextInside: the next step lies inside K. `tile` holds the step's activations (stage_activations).
+template <int kChunk, bool kTail, bool kNextInside>
+__device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<kChunk>& w, bool more,
+                                             const uint4* tile, const u32* table, int step, const Lane& ln, int K,
+                                             u32 lane_bytes, const float* s_code2, float offset, const void* absmax,
+                                             const float* absmax2, int bs_log2, int bs2_log2) {
+    using S = Shape<kChunk>;
+    float s_lo[S::scales], s_hi[S::scales];
+#pragma unroll
+    for (int i = 0; i < S::scales; ++i) {
+        s_lo[i] = scale_of(w.p_lo[i], true, s_code2, offset);
+        s_hi[i] = scale_of(w.p_hi[i], true, s_code2, offset);
+    }
+    if (!kTail && more) load_scales<kChunk, kNextInside>(w, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    const int quad = ln.g << 2;
+#pragma unroll
+    for (int c = 0; c < S::chunks; ++c) {
+        if (kTail && step * STEP_K + c * kChunk >= K) break;
+        // The chunk's scales, from the lane of this feature pair that loaded them.
+        const float sc_lo = __shfl_sync(0xffffffffu, s_lo[c / 4], quad | (c % 4));
+        const float sc_hi = __shfl_sync(0xffffffffu, s_hi[c / 4], quad | (c % 4));
+        uint4 act[S::words];
+#pragma unroll
+        for (int h = 0; h < S::words; ++h)
+            act[h] = tile[act_slot<kChunk>(ln.g, (c * kChunk + ln.t * S::run) / 8 + h)];
+        float part[4];
+#pragma unroll
+        for (int v = 0; v < S::words; ++v) {  // word v of the run: mmas 2v and 2v + 1
+            const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
+            const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
+            const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};
+            const u32 a1[4] = {lookup<2>(table, lo), lookup<2>(table, hi), lookup<3>(table, lo), lookup<3>(table, hi)};
+            if (v == 0)
+                mma_zero(part, a0, act[v].x, act[v].y);
+            else
+                mma(part, a0, act[v].x, act[v].y);
+            mma(part, a1, act[v].z, act[v].w);
+        }
+        if (!kTail && more) load_chunk<kChunk, kNextInside>(w, c, step + 1, ln, K);
+        acc[0][0] = __fmaf_rn(sc_lo, part[0], acc[0][0]);
+        acc[0][1] = __fmaf_rn(sc_lo, part[1], acc[0][1]);
+        acc[0][2] = __fmaf_rn(sc_hi, part[2], acc[0][2]);
+        acc[0][3] = __fmaf_rn(sc_hi, part[3], acc[0][3]);
+    }
+}
+
+// The arguments every step of a split reads, in the order run_split takes them.
+#define SPLIT_ARGS                                                                                                  \
+    const Lane &ln, const ActSource &src, uint4(&s_act)[ACT_STAGES][ACT_TILE_SLOTS], const u32 *table,           \
+        const elem_t *__restrict__ A, const void *absmax, const float *absmax2, const float *s_code2, float offset, \
+        int K, int last, int bs_log2, int bs2_log2, u32 lane_bytes
+#define SPLIT_PASS ln, src, s_act, table, A, absmax, absmax2, s_code2, offset, K, last, bs_log2, bs2_log2, lane_bytes
+
+// Steps first .. last - 1: each step's activations (one stage of the shared tile) and weights
+// (registers, refilled as they are used) load while the step before decodes.
+template <int kChunk>
+__device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT_ARGS) {
+    if (first >= last) return;
+    stage_activations<kChunk>(s_act[0], src, A, first * STEP_K, K);
+    StepWeights<kChunk> w;
+    load_step(w, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    for (int step = first; step < last; ++step) {
+        const int stage = (step - first) & 1;
+        const bool more = step + 1 < last;
+        cp_async_wait<0>();
+        // This step's tile (and, the first time, the tables) visible to every warp, and every warp
+        // done with the other stage (the step before), which the next step's tile refills.
+        __syncthreads();
+        if (more) stage_activations<kChunk>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K);
+        const uint4* tile = s_act[stage];
+        if ((step + 2) * STEP_K <= K)
+            compute_step<kChunk, false, true>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+                                              absmax, absmax2, bs_log2, bs2_log2);
+        else if ((step + 1) * STEP_K <= K)
+            compute_step<kChunk, false, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+                                               absmax, absmax2, bs_log2, bs2_log2);
+        else
+            compute_step<kChunk, true, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+                                              absmax, absmax2, bs_log2, bs2_log2);
+    }
+}
+
+template <int kChunk>
+__device__ __forceinline__ void run(float (&acc)[NT8][4], uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS],
+                                    const u32* table, int first, int last, const Lane& ln,
+                                    const elem_t* __restrict__ A, i64 m0, int rows, int K, const void* absmax,
+                                    const float* absmax2, const float* s_code2, float offset, int bs_log2,
+                                    int bs2_log2) {
+    const ActSource src = act_source<kChunk>(A, m0, rows, K);
+    const u32 lane_bytes = (threadIdx.x & 31) * 4 * 0x01010101u;
+    run_split<kChunk>(acc, first, SPLIT_PASS);
+}
+
+// The lane's weight pointers at its run of the first chunk; its scale elements at its chunk (t).
+template <int kChunk>
+__device__ __forceinline__ void with_chunk(Lane& ln, const unsigned char* __restrict__ W, int t) {
+    ln.w_lo = W + ln.e_lo / 2 + t * Shape<kChunk>::run / 2;
+    ln.e_lo += t * kChunk;
+}
+
+// The thread's index read again (a volatile read: the compiler cannot keep an earlier one live).
+__device__ __forceinline__ unsigned fresh_tid() {
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid;
+}
+
+// The first of a lane's two features (the second is 8 on).
+__device__ __forceinline__ int first_feature(unsigned tid) {
+    return (blockIdx.x * MM_WARPS + (tid >> 5)) * 16 + ((tid & 31) >> 2);
+}
+
+// Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 256 k),
+// z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
+// launched as clusters of the splits (sm_90 on), the cluster adds them (add_splits_in_cluster);
+// else split s writes its partial sums to slice s of `partial` [splits, M, N] (fp32, every element
+// written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
+// bits on every run, whatever order the blocks ran in.
+extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
+    __shared__ __align__(16) u32 s_pairs[PAIR_ROWS * PAIR_ROW_WORDS];
+    __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
+    MM_SCALES_PROLOGUE;
+    stage_pair_table(s_pairs);
+
+    float acc[NT8][4];
+#pragma unroll
+    for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        const int n_lo = first_feature(threadIdx.x), n_hi = n_lo + 8;
+        const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
+        const int steps = (K + STEP_K - 1) / STEP_K;
+        const int first = blockIdx.y * steps_per_split;
+        const int last = min(steps, first + steps_per_split);
+        const int rows = (int)min((i64)MM_TOKENS, M - m0);
+
+        Lane ln;
+        ln.g = g;
+        ln.t = t;
+        ln.e_lo = (i64)min(n_lo, N - 1) * K;
+        ln.to_hi = (min(n_hi, N - 1) - min(n_lo, N - 1)) * K;
+
+        // Chunks of 64 k lie inside one scale block when blocks hold 64 or more and every row starts
+        // at a multiple of 64 of the flattened weight; chunks of 32 always do (K % 32 == 0, blocks >= 32).
+        if (K % 64 == 0 && bs_log2 >= 6) {
+            with_chunk<64>(ln, W, t);
+            run<64>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+                    bs2_log2);
+        } else {
+            with_chunk<32>(ln, W, t);
+            run<32>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+                    bs2_log2);
+        }
+    }
+    // The epilogue's indices formed again, not held in registers through the main loop.
+    static_assert(sizeof(s_pairs) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the table");
+    const unsigned tid = fresh_tid();
+    store_tile(acc, first_feature(tid), (i64)blockIdx.z * MM_TOKENS, tid & 3, M, N, partial, bias, out,
+               reinterpret_cast<float*>(s_pairs));
+}
