@@ -99,8 +99,10 @@ def test_a_recorded_sweep_is_judged_again_with_this_checkouts_rules_without_a_gp
 RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid-sweep-*.json"))
 # What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the rules'
 # grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded up: a
-# rule change that picks slower grids on a GPU it was measured on fails here, without a GPU.
-RECORDED_BOUNDS = {"8-token": (1.026, 1.23), "wide": (1.035, 1.49)}
+# rule change that picks slower grids on a GPU it was measured on fails here, without a GPU. The H100
+# sweep's 8-token cases time the pair-table kernel (nested weights), which the rules were not fit to:
+# 1.067 there, 1.025 on the H200 sweep of the register-table kernel (kernels/NOTES.md).
+RECORDED_BOUNDS = {"8-token": (1.068, 1.23), "wide": (1.035, 1.53)}
 
 
 def test_sweeps_are_recorded_for_the_gpus_the_rules_were_fit_on():
