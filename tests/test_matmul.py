@@ -377,9 +377,9 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)])
+@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", True), ("fp4", False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M", [1, 3, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 64, 65, 200, 1024])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_random_rows_stay_in_the_bound_and_no_worse_than_bitsandbytes(
     cuda, bnb, run_seed, quant_type, nested, dtype, M, with_bias

@@ -147,8 +147,9 @@ def test_the_scaled_sums_bound_holds_for_its_arithmetic_and_for_bitsandbytes(bnb
     assert [matmul_kernel.arithmetic(m, nested) for m in (1, 8, 9) for nested in (True, False)] == [
         "scaled-sums", "dequantized", "scaled-sums", "dequantized", "dequantized", "dequantized",
     ]  # fmt: skip
-    q, state, W = _weights(48, 1024, dtype, quant_type, True, run_seed)
-    A = torch.randn(5, 1024, generator=torch.Generator().manual_seed(run_seed + 1)).to(dtype)
+    # 2048 outputs: on 240 the two error norms' ratio spread 0.80-1.11 over seeds, on 2048 0.87-0.97.
+    q, state, W = _weights(256, 2048, dtype, quant_type, True, run_seed)
+    A = torch.randn(8, 2048, generator=torch.Generator().manual_seed(run_seed + 1)).to(dtype)
     ref = mr.kernel_reference("scaled-sums", A, q, state, W, None, dtype)
     ours = mr.judge(_scaled_sums(A, q, state, 64), ref)
     assert ours.ok and mr.judge(bitsandbytes.matmul_4bit(A, q.t(), state), ref).ok
