@@ -66,6 +66,7 @@ __device__ __forceinline__ u32 code_pair(int e) {
 
 // The table by the block's threads, 16 bytes (4 copies of one entry) a store.
 __device__ __forceinline__ void stage_pair_table(u32* table) {
+#pragma unroll 1  // staged while the first weights are in flight, in the registers they leave
     for (int i = threadIdx.x; i < PAIR_ROWS * PAIR_ROW_WORDS / 4; i += MM_WARPS * 32) {
         const int row = i / (PAIR_ROW_WORDS / 4), quarter = i % (PAIR_ROW_WORDS / 4);
         const u32 v = code_pair(row | (quarter >= 8 ? 128 : 0));
@@ -199,14 +200,14 @@ static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % AC
 // rows' first k on (rows past M: none). Its slot and k are formed again each step: registers held
 // through the main loop are the scarce ones.
 struct ActSource {
-    const elem_t* from;  // the first row's piece; each next row ACT_ROW_STRIDE * K elements on
-    int rows;            // of the thread's rows, those inside M
+    int from;  // the first row's piece, elements from A (this kernel's M is at most 8 rows: no overflow)
+    int rows;  // of the thread's rows, those inside M; each next one ACT_ROW_STRIDE * K elements on
 };
 
 template <int kChunk>
-__device__ __forceinline__ ActSource act_source(const elem_t* __restrict__ A, i64 m0, int rows, int K) {
+__device__ __forceinline__ ActSource act_source(i64 m0, int rows, int K) {
     const int r = threadIdx.x / ACT_ROW_CHUNKS;
-    return {A + (m0 + min(r, rows - 1)) * K + 8 * (threadIdx.x % ACT_ROW_CHUNKS),
+    return {static_cast<int>((m0 + min(r, rows - 1)) * K) + 8 * static_cast<int>(threadIdx.x % ACT_ROW_CHUNKS),
             r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0};
 }
 
@@ -220,7 +221,7 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& 
     for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
         if (i < s.rows)
             cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
-                       ok ? s.from + (i64)i * ACT_ROW_STRIDE * K + k0 : A, ok);
+                       ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
     cp_async_commit();
 }
 
@@ -282,19 +283,21 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
 
 // The arguments every step of a split reads, in the order run_split takes them.
 #define SPLIT_ARGS                                                                                                  \
-    const Lane &ln, const ActSource &src, uint4(&s_act)[ACT_STAGES][ACT_TILE_SLOTS], const u32 *table,           \
+    const Lane &ln, const ActSource &src, uint4(&s_act)[ACT_STAGES][ACT_TILE_SLOTS], u32 *table,           \
         const elem_t *__restrict__ A, const void *absmax, const float *absmax2, const float *s_code2, float offset, \
         int K, int last, int bs_log2, int bs2_log2, u32 lane_bytes
 #define SPLIT_PASS ln, src, s_act, table, A, absmax, absmax2, s_code2, offset, K, last, bs_log2, bs2_log2, lane_bytes
 
 // Steps first .. last - 1: each step's activations (one stage of the shared tile) and weights
-// (registers, refilled as they are used) load while the step before decodes.
+// (registers, refilled as they are used) load while the step before decodes. `table` is staged here.
 template <int kChunk>
 __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT_ARGS) {
     if (first >= last) return;
     stage_activations<kChunk>(s_act[0], src, A, first * STEP_K, K);
     StepWeights<kChunk> w;
     load_step(w, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    // The table after the first loads are issued: staging it overlaps their trip to memory.
+    stage_pair_table(table);
     for (int step = first; step < last; ++step) {
         const int stage = (step - first) & 1;
         const bool more = step + 1 < last;
@@ -317,12 +320,11 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT
 }
 
 template <int kChunk>
-__device__ __forceinline__ void run(float (&acc)[NT8][4], uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS],
-                                    const u32* table, int first, int last, const Lane& ln,
+__device__ __forceinline__ void run(float (&acc)[NT8][4], uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS], u32* table, int first, int last, const Lane& ln,
                                     const elem_t* __restrict__ A, i64 m0, int rows, int K, const void* absmax,
                                     const float* absmax2, const float* s_code2, float offset, int bs_log2,
                                     int bs2_log2) {
-    const ActSource src = act_source<kChunk>(A, m0, rows, K);
+    const ActSource src = act_source<kChunk>(m0, rows, K);
     const u32 lane_bytes = (threadIdx.x & 31) * 4 * 0x01010101u;
     run_split<kChunk>(acc, first, SPLIT_PASS);
 }
@@ -356,7 +358,6 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     __shared__ __align__(16) u32 s_pairs[PAIR_ROWS * PAIR_ROW_WORDS];
     __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
     MM_SCALES_PROLOGUE;
-    stage_pair_table(s_pairs);
 
     float acc[NT8][4];
 #pragma unroll
