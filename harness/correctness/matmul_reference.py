@@ -19,10 +19,9 @@ The derivation, for fp16/bf16 ``A`` and ``W`` (``W`` holds our dequantization ke
 Where the reference is NaN the result must be NaN; where it is ±inf, the same infinity.
 
 The 8-token kernel of nested weights multiplies other weights ("scaled sums",
-``kernels/matmul_4bit_m8_pairs.cu``): each
-code rounded to A's dtype, the block's fp32 scale applied to the fp32 sum of each chunk of k by one
-fma. Its reference takes the exact weights ``code · scale`` in fp64 (``exact_weights``), and its
-bound two more terms:
+``kernels/matmul_4bit_m8_pairs.cu``): each code rounded to A's dtype, the block's fp32 scale applied
+to the fp32 sum of each chunk of k by one fma. Its reference takes the exact weights ``code · scale``
+in fp64 (``exact_weights``), and its bound two more terms:
 
 - The rounded code differs from the code by at most ``u_d · |code|`` (``u_d`` = 2^-11 for fp16,
   2^-8 for bf16: every code is a normal number in both), so the sum of the exact products differs
