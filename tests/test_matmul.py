@@ -371,7 +371,7 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
     matmul.fused_matmul(A, B.t(), qs, out=out)
-    arithmetic = matmul_kernel.arithmetic(M, nested)
+    arithmetic = mr.arithmetic_of(M, nested)
     expected = mr.one_hot_weights(arithmetic, B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(out, expected, f"one-hot {arithmetic} {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
 

@@ -7,6 +7,8 @@ one-hot weights are scale * round(code), not the dequantized bits."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -142,11 +144,6 @@ def test_the_scaled_sums_bound_holds_for_its_arithmetic_and_for_bitsandbytes(bnb
     accurate than bitsandbytes' in that arithmetic: kernels/NOTES.md)."""
     import bitsandbytes
 
-    from harness.runtime import matmul_kernel
-
-    assert [matmul_kernel.arithmetic(m, nested) for m in (1, 8, 9) for nested in (True, False)] == [
-        "scaled-sums", "dequantized", "scaled-sums", "dequantized", "dequantized", "dequantized",
-    ]  # fmt: skip
     # 2048 outputs: on 240 the two error norms' ratio spread 0.80-1.11 over seeds, on 2048 0.87-0.97.
     q, state, W = _weights(256, 2048, dtype, quant_type, True, run_seed)
     A = torch.randn(8, 2048, generator=torch.Generator().manual_seed(run_seed + 1)).to(dtype)
@@ -183,3 +180,14 @@ def test_exact_weights_are_the_formats_and_one_hot_weights_are_the_kernels(run_s
     assert torch.equal(one_hot.view(torch.int16), by_hand.view(torch.int16))
     assert not torch.equal(one_hot.view(torch.int16), (W + 0.0).view(torch.int16))
     assert torch.equal(mr.one_hot_weights("dequantized", q, state, W).view(torch.int16), (W + 0.0).view(torch.int16))
+
+
+def test_the_judge_and_the_runtime_agree_on_each_calls_arithmetic():
+    """The judge states the arithmetic of each call itself (``arithmetic_of``), so a candidate's
+    runtime cannot pick its own oracle; the runtime's kernel choice must agree with it."""
+    from harness.runtime import matmul_kernel
+
+    for rows, nested in itertools.product(range(1, 300), (True, False)):
+        assert matmul_kernel.arithmetic(rows, nested) == mr.arithmetic_of(rows, nested), (rows, nested)
+    assert [mr.arithmetic_of(m, True) for m in (1, 8, 9)] == ["scaled-sums", "scaled-sums", "dequantized"]
+    assert mr.arithmetic_of(1, False) == "dequantized"

@@ -171,8 +171,8 @@ def kernel_reference(
     arithmetic: str, A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> Reference:  # fmt: skip
-    """The reference and bound of a fused kernel of ``arithmetic`` (``harness.runtime.matmul_kernel.
-    ARITHMETIC``): ``dequantized`` multiplies the dequantization kernel's bits (``dequantized``);
+    """The reference and bound of a fused kernel of ``arithmetic`` (``arithmetic_of``):
+    ``dequantized`` multiplies the dequantization kernel's bits (``dequantized``);
     ``scaled-sums`` rounds the codes (the exact weights' reference, ``UNIT`` of A's dtype)."""
     if arithmetic == "dequantized":
         return reference(A, dequantized, bias, out_dtype)
@@ -181,15 +181,25 @@ def kernel_reference(
     raise ValueError(f"no such arithmetic: {arithmetic!r}")
 
 
+# The judge's own statement of which arithmetic a fused call runs, not read from the runtime it
+# judges (a candidate's kernels are imported from its tree): nested weights at up to this many rows
+# take scaled sums. tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic``
+# to it, so a change of arithmetic lands in the judge first.
+SCALED_SUMS_ROWS = 8
+
+
+def arithmetic_of(rows: int, nested: bool) -> str:
+    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight."""
+    return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS else "dequantized"
+
+
 def fused_reference(
     A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> Reference:  # fmt: skip
     """``kernel_reference`` of the fused kernel that multiplies A's rows (by their count)."""
-    from harness.runtime import matmul_kernel
-
     rows = A.numel() // A.shape[-1] if A.shape[-1] else 0
-    arithmetic = matmul_kernel.arithmetic(max(rows, 1), quant_state.state2 is not None)
+    arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None)
     return kernel_reference(arithmetic, A, packed, quant_state, dequantized, bias, out_dtype)
 
 
