@@ -33,9 +33,10 @@
 #include "matmul_4bit_common.cuh"
 
 #if MM_TOKENS != 8
-#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
+#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
 #endif
-// 96 registers a thread: 5 blocks of 4 warps an SM (kernels/NOTES.md).
+// 128 registers a thread: 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost 25-35%:
+// kernels/NOTES.md).
 #define MIN_BLOCKS 4
 
 // prmt.b32 (byte permute) as PTX states it: a selector nibble with its top bit set replicates the
@@ -112,9 +113,9 @@ __device__ __forceinline__ Run<kWords> load_run(const unsigned char* p) {
     return r;
 }
 
-// A lane's rows: its two features' packed bytes from the lane's run of the first chunk on, and, as
-// element indices of the flattened weight (for their scales), the first k whose scale the lane
-// loads; its token row g of the activation tile. Features past N are clamped to the last one: an
+// A lane's rows: its first feature's packed bytes from the lane's run of the first chunk on (the
+// second's are to_hi elements on), and, as an element index of the flattened weight (for the
+// scales), the first k whose scale the lane loads; its token row g of the activation tile. Features past N are clamped to the last one: an
 // output depends on its own feature and token only, and those outputs are never stored, so nothing
 // but K is bounded.
 struct Lane {
