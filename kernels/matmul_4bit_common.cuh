@@ -54,6 +54,22 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return *reinterpret_cast<const u32*>(&h);
 }
 
+// prmt.b32 (byte permute) as PTX states it: byte i of the result is byte (selector nibble i) & 7 of
+// {b, a}, or that byte's sign bit replicated where the nibble's top bit is set (CUDA's __byte_perm
+// masks its selector first, an instruction more).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// (a & b) | c in one lop3: with two constants the compiler splits it into two, one immediate each.
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if MM_DTYPE == 0
     asm volatile(

@@ -33,20 +33,7 @@
 // 128 registers a thread: 4 blocks an SM.
 #define MIN_BLOCKS 4
 
-// prmt.b32 (byte permute) as PTX states it; every selector here has its nibbles' top bit clear,
-// so no byte is sign-replicated (CUDA's __byte_perm masks its selector first, an instruction more).
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-    return d;
-}
-
-// (a & b) | c in one lop3: with two constants the compiler splits it into two, one immediate each.
-__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
+// Every prmt selector here has its nibbles' top bit clear, so no byte is sign-replicated.
 
 // x >> k as a high multiply: the multiply pipe is idle here, the integer pipe is the decode's limit.
 __device__ __forceinline__ u32 shr_mul(u32 x, int k) { return __umulhi(x, 1u << (32 - k)); }

@@ -39,21 +39,6 @@
 // kernels/NOTES.md).
 #define MIN_BLOCKS 4
 
-// prmt.b32 (byte permute) as PTX states it: a selector nibble with its top bit set replicates the
-// sign bit of the byte it picks.
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-    return d;
-}
-
-// (a & b) | c in one lop3: with two constants the compiler splits it into two, one immediate each.
-__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
 #define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
 #define PAIR_ROW_WORDS 64  // 32 copies of each
 
