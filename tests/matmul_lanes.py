@@ -90,20 +90,13 @@ M8_CONSTANTS = _m8_constants()
 
 def _source_expression(file: str, pattern: str, names: str) -> Callable[..., int]:
     """An integer expression of a kernel source (C and Python agree on the precedence of the
-    operators these use: * + << >> & ^), as a function of ``names``: this transcription runs the
-    kernel's own index arithmetic."""
+    operators these use: * + << >> & ^ |), as a function of ``names``: this transcription runs the
+    kernel's own index arithmetic. C's unsigned literals (8u), scope operator (S::run) and a
+    parenthesised ternary (a ? b : c) are read as Python's."""
     match = re.search(pattern, (jit.kernels_dir() / file).read_text())
     assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
-    expression = match.group(1).replace("ln.", "").replace("/", "//")  # C's / on ints is Python's //
-    return eval(f"lambda {names}: {expression}")  # the repository's own source
-
-
-def _c_expression(file: str, pattern: str, names: str) -> Callable[..., int]:
-    """``_source_expression`` for C with unsigned literals (8u) and one ternary (a ? b : c)."""
-    match = re.search(pattern, (jit.kernels_dir() / file).read_text())
-    assert match, f"kernels/{file} no longer has the expression this reads ({pattern})"
-    expression = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)u\b", r"\1", match.group(1)).replace("ln.", "").replace("::", ".")
-    expression = expression.replace("/", "//")
+    expression = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)u\b", r"\1", match.group(1))
+    expression = expression.replace("ln.", "").replace("::", ".").replace("/", "//")  # C's / on ints is Python's //
     expression = re.sub(r"\(([^()?]+) \? ([^():]+) : ([^()]+)\)", r"(\2 if \1 else \3)", expression)
     return eval(f"lambda {names}: {expression}")  # the repository's own source
 
@@ -124,9 +117,9 @@ PAIR_ROWS, PAIR_ROW_WORDS = _m8p_define("PAIR_ROWS"), _m8p_define("PAIR_ROW_WORD
 _PAIR_MASKS = re.search(r"return \{x & (0x[0-9a-f]+)u, lop3_and_or\(x, (0x[0-9a-f]+)u, lane_bytes\)\};", _M8P_SOURCE)
 assert _PAIR_MASKS, f"kernels/{_M8P} no longer has pair_addresses' masks where this reads them"
 LOW7_MASK, TOP_MASK = (int(v, 16) for v in _PAIR_MASKS.groups())
-PAIR_SELECTOR = _c_expression(_M8P, r"constexpr u32 sel = ([^;]+);", "kByte")
-LANE_BYTES = _c_expression(_M8P, r"const u32 lane_bytes = \(threadIdx\.x & 31\) \* ([^;]+);", "")()
-_PAIR_ENTRY = _c_expression(_M8P, r"const u32 v = code_pair\(([^;]+)\);", "row, quarter")
+PAIR_SELECTOR = _source_expression(_M8P, r"constexpr u32 sel = ([^;]+);", "kByte")
+LANE_BYTES = _source_expression(_M8P, r"const u32 lane_bytes = \(threadIdx\.x & 31\) \* ([^;]+);", "")()
+_PAIR_ENTRY = _source_expression(_M8P, r"const u32 v = code_pair\(([^;]+)\);", "row, quarter")
 
 
 def pair_table() -> list[int]:
@@ -266,13 +259,13 @@ M8 = Layout(
 # --- kernels/matmul_4bit_m8_pairs.cu: the pair table, chunks of 64 or 32 k ---------------------------
 def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
     """act_slot<chunk_k> of kernels/matmul_4bit_m8_pairs.cu, as (row, piece, pieces a row)."""
-    slot = _c_expression(
+    slot = _source_expression(
         _M8P, r"int act_slot\(int row, int piece\) \{\s+return ([^;]+);", "row, piece, ACT_ROW_CHUNKS, kChunk"
     )
     return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
 
 
-_M8P_PIECE = _c_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g, ([^\]]+)\)\]", "c, kChunk, t, S, h")
+_M8P_PIECE = _source_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g, ([^\]]+)\)\]", "c, kChunk, t, S, h")
 
 
 class _Shape:
