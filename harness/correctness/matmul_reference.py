@@ -66,8 +66,8 @@ class Reference:
     bound: torch.Tensor  # fp64, same shape; inf where value is not finite
 
 
-# Unit roundoff of rounding a normal value to nearest in each operand dtype.
-UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# Unit roundoff of rounding a normal value to nearest in each operand dtype (the output's above).
+UNIT = {dtype: _OUT_ROUNDING[dtype][0] for dtype in (torch.float16, torch.bfloat16)}
 
 
 def reference(
@@ -150,7 +150,7 @@ def _codes_and_scales(packed: torch.Tensor, quant_state) -> tuple[torch.Tensor, 
     qs = quant_state
     n = int(torch.Size(qs.shape).numel())
     codes = format_reference.code_table(qs.quant_type, packed.device)[format_reference.unpack_nibbles(packed, n)]
-    scales = block_scales(qs).to(packed.device)[torch.arange(n, device=packed.device) // qs.blocksize]
+    scales = block_scales(qs).to(packed.device).repeat_interleave(qs.blocksize)[:n]
     return codes.reshape(qs.shape), scales.reshape(qs.shape)
 
 
@@ -171,13 +171,22 @@ def kernel_reference(
     arithmetic: str, A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> Reference:  # fmt: skip
-    """The reference and bound of a fused kernel of ``arithmetic`` (``arithmetic_of``):
-    ``dequantized`` multiplies the dequantization kernel's bits (``dequantized``);
-    ``scaled-sums`` rounds the codes (the exact weights' reference, ``UNIT`` of A's dtype)."""
+    """The reference and bound of a fused kernel of ``arithmetic`` (``arithmetic_of``)."""
+    weights, weight_error = reference_weights(arithmetic, packed, quant_state, dequantized, A.dtype)
+    return reference(A, weights, bias, out_dtype, weight_error)
+
+
+def reference_weights(
+    arithmetic: str, packed: torch.Tensor, quant_state, dequantized: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, float]:
+    """The weights ``reference`` takes for a kernel of ``arithmetic`` multiplying activations of
+    ``dtype``, with their weight error (one pair serves every activation of a weight):
+    ``dequantized`` multiplies the dequantization kernel's bits (``dequantized``, no error);
+    ``scaled-sums`` rounds the codes to ``dtype`` (the exact weights, ``UNIT[dtype]``)."""
     if arithmetic == "dequantized":
-        return reference(A, dequantized, bias, out_dtype)
+        return dequantized, 0.0
     if arithmetic == "scaled-sums":
-        return reference(A, exact_weights(packed, quant_state), bias, out_dtype, UNIT[A.dtype])
+        return exact_weights(packed, quant_state), UNIT[dtype]
     raise ValueError(f"no such arithmetic: {arithmetic!r}")
 
 
@@ -198,9 +207,19 @@ def fused_reference(
     out_dtype: torch.dtype,
 ) -> Reference:  # fmt: skip
     """``kernel_reference`` of the fused kernel that multiplies A's rows (by their count)."""
-    rows = A.numel() // A.shape[-1] if A.shape[-1] else 0
+    return fused_references([A], packed, quant_state, dequantized, bias, out_dtype)[0]
+
+
+def fused_references(
+    As: list[torch.Tensor], packed: torch.Tensor, quant_state, dequantized: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> list[Reference]:  # fmt: skip
+    """``fused_reference`` of each of ``As``, activations of one shape and dtype: the reference
+    weights formed once."""
+    rows = As[0].numel() // As[0].shape[-1] if As[0].shape[-1] else 0
     arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None)
-    return kernel_reference(arithmetic, A, packed, quant_state, dequantized, bias, out_dtype)
+    weights, weight_error = reference_weights(arithmetic, packed, quant_state, dequantized, As[0].dtype)
+    return [reference(A, weights, bias, out_dtype, weight_error) for A in As]
 
 
 def one_hot_weights(arithmetic: str, packed: torch.Tensor, quant_state, dequantized: torch.Tensor) -> torch.Tensor:

@@ -118,12 +118,14 @@ class Stage:
         return torch.randn(tokens, K, generator=g, device=self.device).to(dtype)
 
     def _references(self) -> list[object]:
-        """The fp64 reference of each variant's matmul, on bitsandbytes' dequantized weights."""
+        """The fp64 reference of each variant's matmul for the arithmetic its fused kernel runs
+        (bitsandbytes' dequantized weights where it multiplies those), its weights formed once."""
         import bitsandbytes.functional as F
 
         lent = self.lent
         W = F.dequantize_4bit(lent["A"], lent["qs"])
-        return [matmul_reference.fused_reference(x, lent["A"], lent["qs"], W, None, x.dtype) for x in lent["variants"]]
+        variants = list(lent["variants"])
+        return matmul_reference.fused_references(variants, lent["A"], lent["qs"], W, None, variants[0].dtype)
 
     def lent_to(self, side: str) -> Lent:
         """The case's buffers with a new evidence buffer of ``side``'s own."""
