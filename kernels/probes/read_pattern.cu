@@ -1,9 +1,10 @@
 // Probe, not part of the harness: the read bandwidth of two load patterns over the gate weight's packed
 // bytes (28672 rows of 4096), kernels that only XOR what they load. "rows16" loads as
 // matmul_4bit_m8_pairs.cu does (a lane 8 bytes of rows g and g + 8 at each 32-byte chunk, DEPTH steps
-// ahead in registers); "contiguous" reads 512 bytes a warp instruction. PAD KB of static shared
-// memory sets the blocks an SM (43: the pair-table kernel's 4). Four copies of the weight in turn
-// and a 256 MB memset before each launch keep it out of L2; CUDA events, median of 25.
+// ahead in registers; checked against plain loads first); "contiguous" reads 512 bytes a warp
+// instruction. PAD KB of static shared memory sets the blocks an SM (43: the pair-table kernel's 4).
+// Four copies of the weight in turn and a 256 MB memset before each launch keep it out of L2; CUDA
+// events, median of 25. kernels/NOTES.md has the figures.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90 -std=c++17 -o read_pattern read_pattern.cu && ./read_pattern
 #include <cstdio>
 #include <cuda_runtime.h>
@@ -15,7 +16,7 @@ typedef unsigned u32;
 // offset t*8; a step is 4 chunks (128 bytes a row); DEPTH steps in registers ahead.
 template <int DEPTH, int PAD>
 __global__ void __launch_bounds__(128, 4) rows16(const unsigned char* __restrict__ W, u32* out, int splits) {
-    __shared__ u32 pad[PAD * 256 + 32];
+    __shared__ u32 pad[PAD * 256 + 128];
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
     const int steps = ROWB / 128 / splits, first = blockIdx.y * steps;
@@ -43,14 +44,35 @@ __global__ void __launch_bounds__(128, 4) rows16(const unsigned char* __restrict
                 }
             }
     }
-    if (acc == 0x12345678u) pad[threadIdx.x] = acc;
-    if (acc == 0x12345679u) out[0] = pad[lane];
+    pad[threadIdx.x] = acc;
+    __syncthreads();
+    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * 128 + threadIdx.x] = acc ^ pad[threadIdx.x ^ 1] ^ pad[threadIdx.x ^ 1];
+}
+
+// rows16's XOR from plain loads in order: what each lane must have read.
+__global__ void reference(const unsigned char* W, u32* out, int splits) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int steps = ROWB / 128 / splits, first = blockIdx.y * steps;
+    u32 acc = 0;
+    for (int step = 0; step < steps; ++step)
+        for (int c = 0; c < 8; ++c) {
+            const int row = warp * 16 + g + 8 * (c >= 4), k = (first + step) * 128 + (c & 3) * 32 + t * 8;
+            const uint2 v = *(const uint2*)(W + (size_t)row * ROWB + k);
+            acc ^= v.x * 3 + v.y;
+        }
+    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * 128 + threadIdx.x] = acc;
+}
+
+__global__ void fill(unsigned char* W, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        W[i] = (unsigned char)((i * 2654435761u) >> 13);
 }
 
 // Pattern "contiguous": each warp reads 512 contiguous bytes an instruction (16 a lane), one row after another.
 template <int DEPTH, int PAD>
 __global__ void __launch_bounds__(128, 4) contiguous(const unsigned char* __restrict__ W, u32* out, int splits) {
-    __shared__ u32 pad[PAD * 256 + 32];
+    __shared__ u32 pad[PAD * 256 + 128];
     const int lane = threadIdx.x & 31;
     const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
     // the same 16 rows a warp, read row by row in 512-byte pieces
@@ -74,7 +96,7 @@ __global__ void __launch_bounds__(128, 4) contiguous(const unsigned char* __rest
 
 int main() {
     unsigned char* Ws[4]; unsigned char* W; u32* out; char* flush; int it = 0;
-    for (auto& w : Ws) { cudaMalloc(&w, (size_t)N * ROWB); cudaMemset(w, 1, (size_t)N * ROWB); } W = Ws[0]; cudaMalloc(&out, 4); cudaMalloc(&flush, 256 << 20);
+    for (auto& w : Ws) { cudaMalloc(&w, (size_t)N * ROWB); cudaMemset(w, 1, (size_t)N * ROWB); } W = Ws[0]; cudaMalloc(&out, 64 << 20); cudaMalloc(&flush, 256 << 20);
     cudaMemset(W, 1, (size_t)N * ROWB);
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
     auto time = [&](const char* name, auto launch) {
@@ -88,6 +110,22 @@ int main() {
         const float us = best[n / 2] * 1e3f;
         printf("%-28s %8.1f us %7.0f GB/s  err=%s\n", name, us, (double)N * ROWB / us / 1e3, cudaGetErrorString(cudaGetLastError()));
     };
+    for (int depth : {1, 2}) {  // rows16 against plain loads, 4 splits
+        fill<<<1024, 256>>>(Ws[0], (size_t)N * ROWB);
+        u32 *ref, *got;
+        cudaMalloc(&ref, 64 << 20); cudaMalloc(&got, 64 << 20);
+        dim3 grid(N / 64, 4);
+        reference<<<grid, 128>>>(Ws[0], ref, 4);
+        if (depth == 1) rows16<1, 43><<<grid, 128>>>(Ws[0], got, 4); else rows16<2, 43><<<grid, 128>>>(Ws[0], got, 4);
+        cudaDeviceSynchronize();
+        static u32 h1[N / 64 * 4 * 128], h2[N / 64 * 4 * 128];
+        cudaMemcpy(h1, ref, sizeof(h1), cudaMemcpyDeviceToHost);
+        cudaMemcpy(h2, got, sizeof(h2), cudaMemcpyDeviceToHost);
+        int bad = 0;
+        for (size_t i = 0; i < sizeof(h1) / 4; ++i) bad += h1[i] != h2[i];
+        printf("rows16 depth %d reads vs plain loads, 4 splits: %d lanes differ\n", depth, bad);
+        cudaFree(ref); cudaFree(got);
+    }
     for (int splits : {1, 4, 16}) {
         dim3 grid(N / 64, splits);
         char label[64];
