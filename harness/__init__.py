@@ -37,7 +37,7 @@ def __getattr__(name):
 
         return dequantize_4bit
     if name == "matmul_4bit":
-        from harness.runtime.matmul import matmul_4bit
+        from harness.runtime.api import matmul_4bit
 
         return matmul_4bit
     if name in _PATCH_NAMES:

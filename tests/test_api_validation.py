@@ -17,7 +17,7 @@ import harness
 from harness.correctness import call_battery, cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import InputError, KernelLaunchError
-from harness.runtime import api, dequantize_kernel, launcher
+from harness.runtime import dequantize, dequantize_kernel, host_path, launcher
 
 # --- no GPU needed -----------------------------------------------------------------------------
 
@@ -132,11 +132,11 @@ def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, mo
     """The battery of tests/test_call_rules.py on GPU tensors: the compiled path declines (it
     launches nothing), the Python path names the rule before its launch."""
     call, message = next((c, m) for n, c, m in call_battery.bad_calls(cuda) if n == name)
-    entry = api._host if api._host is not None else api._bind_host()
+    entry = host_path.bind_dequantize()
     assert entry, "the GPU sessions run with the compiled host path"
     assert entry(*call_battery.positional(call)) is None, "the compiled path took a bad call"
     kwargs = call_battery.keywords(call)
-    _expect_rejected(lambda: api.dequantize_packed(**kwargs), re.escape(message), monkeypatch, cuda, good, bnb)
+    _expect_rejected(lambda: dequantize.dequantize_packed(**kwargs), re.escape(message), monkeypatch, cuda, good, bnb)
 
 
 def _quant_state_faults(good, cuda):

@@ -2,7 +2,7 @@
 
 No GPU needed. The compiled host path is bound to host tensors (its ``cpu`` backend) with inert
 driver entry points, and asked what it would launch (``describe``) instead of launching; the
-Python path is asked the same (``api.check_call`` + ``api.launch_of``). For every valid call both
+Python path is asked the same (``dequantize.check_call`` + ``dequantize.launch_of``). For every valid call both
 must choose the same variant, tiling, grid, block and kernel arguments, slot for slot; for every
 bad call the Python path must name the broken rule and the compiled path must decline. The
 registered op's fake implementation (what ``torch.compile`` traces) runs the battery on fake CUDA
@@ -18,7 +18,7 @@ import torch
 
 from harness.correctness import call_battery
 from harness.errors import InputError
-from harness.runtime import api, dequantize_kernel, host_launcher, matmul, matmul_kernel, torch_op
+from harness.runtime import dequantize, dequantize_kernel, dtypes, host_launcher, matmul, matmul_kernel, torch_op
 from harness.runtime.launcher import ArgPacker
 
 VALID = dict(call_battery.valid_calls())
@@ -67,8 +67,8 @@ def _compiled(module, entry, call):
 
 
 def _python(call, out):
-    checked = api.check_call(**call_battery.keywords(call), backend="cpu")
-    (*variant, device), grid, threads, args = api.launch_of(checked, out)
+    checked = dequantize.check_call(**call_battery.keywords(call), backend="cpu")
+    (*variant, device), grid, threads, args = dequantize.launch_of(checked, out)
     packer = ArgPacker(dequantize_kernel.KERNEL_PARAMS)
     packer.pack(args)
     host = -1 if device is None else device  # a host tensor's device index, as PyTorch's C++ gives it
@@ -105,7 +105,7 @@ def test_the_battery_covers_both_tilings_and_both_store_paths(module, entry):
 def test_a_bad_call_is_named_by_the_python_path_and_declined_by_the_compiled_path(module, entry, name):
     call, message = BAD[name]
     with pytest.raises(InputError, match=_literal(message)):
-        api.check_call(**call_battery.keywords(call), backend="cpu")
+        dequantize.check_call(**call_battery.keywords(call), backend="cpu")
     assert _compiled(module, entry, call) is None
 
 
@@ -250,7 +250,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         return None
     nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
     try:
-        checked = api.check_call(call["W"], *fields[:4], A.dtype, backend="cpu", **nested)
+        checked = dequantize.check_call(call["W"], *fields[:4], A.dtype, backend="cpu", **nested)
     except InputError:
         return None
     N, K = call["shape"]
@@ -267,7 +267,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         packer.pack(args)
         packed.append(tuple(packer._buf.tolist()))
     key = (
-        matmul_kernel.DTYPES.index(matmul._NAMES[A.dtype]),
+        matmul_kernel.DTYPES.index(dtypes.ACTIVATION_NAME[A.dtype]),
         matmul_kernel.QUANT_TYPES.index(checked.quant_type),
         int(checked.nested),
         matmul_kernel.TOKEN_TILES.index(tokens),

@@ -15,7 +15,7 @@ import torch
 import harness
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
-from harness.runtime import api, dequantize_kernel, launcher
+from harness.runtime import dequantize, dequantize_kernel, host_path, launcher
 from tests.threads import in_fresh_thread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,12 +208,12 @@ def test_packed_data_in_any_quant_storage_dtype(cuda, bnb, run_seed, storage, ne
     expected = bnb.dequantize_4bit(A, qs)
     out = poison_(torch.empty_like(expected))
     if path == "python":
-        with api.python_path_only():
+        with host_path.python_path_only():
             harness.dequantize_4bit(A, qs, out=out)
             allocated = harness.dequantize_4bit(A, qs)
     else:
-        entry = api._host if api._host is not None else api._bind_host()
-        fields, nested_args = api.quant_state_args(qs)
+        entry = host_path.bind_dequantize()
+        fields, nested_args = dequantize.quant_state_args(qs)
         assert entry, "the GPU sessions run with the compiled host path"
         absmax, blocksize, quant_type, shape, dtype = fields
         n2 = nested_args or dict.fromkeys(("code2", "absmax2", "blocksize2", "offset"))

@@ -22,7 +22,16 @@ from harness import settings
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import HostLauncherUnavailable, KernelLaunchError, SettingError
-from harness.runtime import api, dequantize_kernel, host_launcher, jit, matmul, matmul_kernel
+from harness.runtime import (
+    dequantize,
+    dequantize_kernel,
+    dtypes,
+    host_launcher,
+    host_path,
+    jit,
+    matmul,
+    matmul_kernel,
+)
 from harness.runtime.dequantize_kernel import OUT_DTYPES, QUANT_TYPES
 from tests.threads import in_fresh_thread
 
@@ -127,7 +136,7 @@ def test_a_broken_library_is_built_again(tmp_path, monkeypatch):
 
 @pytest.fixture
 def entry(cuda):
-    bound = api._host if api._host is not None else api._bind_host()
+    bound = host_path.bind_dequantize()
     if not bound:
         pytest.skip(
             "the compiled host launcher is not available here (see the warning); "
@@ -160,8 +169,8 @@ def _args(case, out=None, offset="tensor"):
 def _python_path(args):
     A, absmax, code2, absmax2, offset, _out, shape, dtype, blocksize, blocksize2, quant_type = args
     expected = poison_(torch.empty(shape, dtype=dtype, device=A.device), alternate=True)
-    with api.python_path_only():
-        api.dequantize_packed(
+    with host_path.python_path_only():
+        dequantize.dequantize_packed(
             A, absmax, blocksize, quant_type, shape, dtype, expected,
             code2=code2, absmax2=absmax2, blocksize2=blocksize2, offset=offset,
         )  # fmt: skip
@@ -188,7 +197,7 @@ SHAPES = {"small": (96, 130), "large-tiling": (4096, 4096)}  # 4096 x 4096 = LAR
 def test_takes_every_valid_call_bit_identical_to_the_python_path(
     entry, cuda, run_seed, quant_type, out_dtype, scales, outs, size
 ):
-    dtype = api.DTYPES[out_dtype]
+    dtype = dtypes.DTYPES[out_dtype]
     case = cases.raw_case(SHAPES[size], quant_type, 64, dtype, scales != "plain", run_seed, device=cuda)
     out = None
     if outs == "out":
@@ -228,7 +237,7 @@ def test_declines_what_the_python_path_converts_or_rejects(entry, cuda, run_seed
     for name, args in converted.items():
         assert entry(*args) is None, name
         A, absmax, code2, absmax2, offset, _out, shape, dtype, blocksize, blocksize2, quant_type = args
-        got = api.dequantize_packed(
+        got = dequantize.dequantize_packed(
             A,
             absmax,
             blocksize,
@@ -277,11 +286,11 @@ def test_a_refused_launch_names_the_cuda_error_and_the_context_survives(
 
     refusing = host_launcher.configure(module, oversized)
     case = cases.raw_case((96, 130), "nf4", 64, torch.float16, False, run_seed, device=cuda)
-    monkeypatch.setattr(api, "_host", refusing)
+    monkeypatch.setattr(host_path, "dequantize", refusing)
     with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
         harness.dequantize_4bit(case.A, case.quant_state())
     assert info.value.kernel == dequantize_kernel.plan("nf4", "fp16", False, 96 * 130, cuda.index).kernel.label
-    monkeypatch.setattr(api, "_host", entry)
+    monkeypatch.setattr(host_path, "dequantize", entry)
     torch.cuda.synchronize()
     got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
     harness.dequantize_4bit(case.A, case.quant_state(), out=got)
@@ -300,7 +309,7 @@ def _matmul_case(quant_type, dtype, nested, rows, bias, seed, device, N=200, K=4
 
 
 def _matmul_args(A, B, qs, bias, out):
-    fields, nested = api.quant_state_args(qs)
+    fields, nested = dequantize.quant_state_args(qs)
     absmax, blocksize, quant_type, shape, _dtype = fields
     return (
         A, B, absmax, nested.get("code2"), nested.get("absmax2"), nested.get("offset"), bias, out, shape, blocksize,
@@ -310,7 +319,7 @@ def _matmul_args(A, B, qs, bias, out):
 
 def _matmul_python_path(A, B, qs, bias):
     expected = poison_(torch.empty(A.shape[0], qs.shape[0], dtype=A.dtype, device=A.device), alternate=True)
-    with api.python_path_only():
+    with host_path.python_path_only():
         matmul.fused_matmul(A, B, qs, bias, out=expected)
     return expected
 
@@ -325,8 +334,8 @@ def _matmul_python_path(A, B, qs, bias):
 def test_the_matmul_entry_takes_every_fused_call_bit_identical_to_the_python_path(
     entry, cuda, run_seed, quant_type, dtype_name, nested, rows, bias
 ):
-    A, B, qs, b = _matmul_case(quant_type, api.DTYPES[dtype_name], nested, rows, bias, run_seed, cuda)
-    mm = matmul._host_entry()
+    A, B, qs, b = _matmul_case(quant_type, dtypes.DTYPES[dtype_name], nested, rows, bias, run_seed, cuda)
+    mm = host_path.matmul_entry(matmul.crossover_table)
     expected = _matmul_python_path(A, B, qs, b)
     out = poison_(torch.empty_like(expected))
     assert mm(*_matmul_args(A, B, qs, b, out)) is out, "the compiled path declined a call the kernel takes"
@@ -370,7 +379,7 @@ def test_a_refused_matmul_launch_names_the_cuda_error_and_the_context_survives(
 
     A, B, qs, _ = _matmul_case("nf4", torch.bfloat16, True, 1, False, run_seed, cuda)
     refusing = host_launcher.configure_matmul(module, entry, oversized, crossover=matmul.crossover_table)
-    monkeypatch.setattr(matmul, "_bound", (entry, refusing))
+    monkeypatch.setattr(host_path, "_matmul", (entry, refusing))
     with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
         matmul.fused_matmul(A, B, qs)
     variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, 8)

@@ -21,7 +21,7 @@ from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import InputError, KernelCompileError
-from harness.runtime import api, launcher, matmul, matmul_kernel
+from harness.runtime import dequantize, dtypes, host_path, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 from tests import hopper_plans as hopper
 
@@ -297,7 +297,7 @@ def test_a_bad_out_or_bias_is_an_input_error_before_anything_runs(monkeypatch, c
         raise AssertionError("a kernel path ran before the input error")
 
     monkeypatch.setattr(matmul, "try_fused", ran)
-    monkeypatch.setattr(api, "dequantize_packed", ran)
+    monkeypatch.setattr(dequantize, "dequantize_packed", ran)
     with pytest.raises(InputError, match=message):
         harness.matmul_4bit(A, B.t(), _host_state(device=device), out=out, bias=bias)
 
@@ -347,9 +347,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 def _weights(N, K, quant_type, blocksize, nested, dtype, seed, device):
     A, qs = cases.quantize_weights((N, K), quant_type, blocksize, nested, dtype, seed, device=device)
-    fields, nested_args = api.quant_state_args(qs)
+    fields, nested_args = dequantize.quant_state_args(qs)
     absmax, bs, qt, shape, _ = fields
-    W = api.dequantize_packed(A, absmax, bs, qt, shape, dtype, **nested_args)  # our kernel's bits
+    W = dequantize.dequantize_packed(A, absmax, bs, qt, shape, dtype, **nested_args)  # our kernel's bits
     return A, qs, W
 
 
@@ -451,7 +451,7 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     (features past N, tokens past M and the bias included). Elsewhere, and for the other tiles, the
     finish adds them."""
     N, tokens = 330, matmul_kernel.token_tile(M)
-    variant = matmul_kernel.MatmulVariant(matmul._NAMES[dtype], "nf4", True, tokens)
+    variant = matmul_kernel.MatmulVariant(dtypes.ACTIVATION_NAME[dtype], "nf4", True, tokens)
     plan = matmul_kernel.plan(variant, cuda.index)
     sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)
@@ -473,7 +473,7 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)
     b = torch.randn(N, device=cuda).to(dtype) if bias else None
-    with api.python_path_only():
+    with host_path.python_path_only():
         clustered = matmul.fused_matmul(A, B.t(), qs, bias=b, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
         finish_grid = dataclasses.replace(grid, clustered=False)  # the same splits, added by the finish
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: finish_grid)

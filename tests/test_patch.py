@@ -5,6 +5,7 @@ The mechanics run on the CPU (CI); routing to the real kernel is checked on the 
 
 from __future__ import annotations
 
+import collections
 import sys
 import types
 
@@ -15,7 +16,7 @@ import harness
 from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact
 from harness.errors import InputError, SettingError
-from harness.runtime import api, patch
+from harness.runtime import api, dequantize, host_path, patch, route_counts
 
 
 @pytest.fixture
@@ -279,7 +280,7 @@ def test_gemm_fallback_decodes_nested_scales_in_our_one_launch(monkeypatch):
     (8-bit codes, code book, second-level absmax and block size, offset) in one call."""
     seen = []
     weight = torch.randn(6, 4)
-    monkeypatch.setattr(api, "dequantize_packed", lambda *a, **k: seen.append((a, k)) or weight)
+    monkeypatch.setattr(dequantize, "dequantize_packed", lambda *a, **k: seen.append((a, k)) or weight)
     wrapper = patch._gemm_fallback_wrapper(lambda *a: pytest.fail("bitsandbytes' fallback was called"))
     x, bias = torch.randn(3, 4), torch.randn(6)
     B, codes, absmax2, code, offset = (torch.zeros(12, 1, dtype=torch.uint8), "codes", "absmax2", "code", "offset")
@@ -299,7 +300,7 @@ def test_gemm_fallback_hands_what_ours_refuses_to_bitsandbytes_unchanged(monkeyp
     def refuse(*a, **k):
         raise InputError("not ours")
 
-    monkeypatch.setattr(api, "dequantize_packed", refuse)
+    monkeypatch.setattr(dequantize, "dequantize_packed", refuse)
     wrapper = patch._gemm_fallback_wrapper(lambda *a: received.append(a) or "bnb")
     args = (torch.zeros(2, 4), "B", (6, 4), "absmax", 64, "nf4", "bias", "codes", "code", "offset")
     assert wrapper(*args) == "bnb"
@@ -308,7 +309,7 @@ def test_gemm_fallback_hands_what_ours_refuses_to_bitsandbytes_unchanged(monkeyp
 
 def test_the_op_kernel_seam_passes_packed_storage_through_and_defers_odd_calls(monkeypatch):
     seen = []
-    monkeypatch.setattr(api, "dequantize_packed", lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(dequantize, "dequantize_packed", lambda *a, **k: seen.append(a))
     received = []
     wrapper = patch._op_impl_wrapper(lambda *a: received.append(a))
     packed = torch.zeros(8, 1, dtype=torch.bfloat16)  # FSDP-style quant_storage: ours reads its bytes
@@ -326,17 +327,17 @@ def test_a_misconfigured_setting_is_raised_not_hidden_behind_the_fallback(F, mon
     from harness import settings
 
     monkeypatch.setenv(settings.HOST_LAUNCHER.name, "fast")
-    monkeypatch.setattr(api, "_host", None)  # bound afresh, as at a process' first call
+    monkeypatch.setattr(host_path, "dequantize", None)  # bound afresh, as at a process' first call
     A, qs = cases.quantize_weights((64, 96), "nf4", 64, False, torch.bfloat16, 0, device="cpu")
     with harness.bitsandbytes_patched(), pytest.raises(SettingError, match="must be one of"):
         F.dequantize_4bit(A, qs)
 
 
 def test_routed_calls_counts_per_seam_and_in_total(monkeypatch):
-    monkeypatch.setattr(patch, "_counts", patch.Counter())
-    patch._count("gemm_4bit fallback", True)
-    patch._count("functional", False)
-    patch._count("functional", True)
+    monkeypatch.setattr(route_counts, "counts", collections.Counter())
+    route_counts.count("gemm_4bit fallback", True)
+    route_counts.count("functional", False)
+    route_counts.count("functional", True)
     assert patch.routed_calls() == {
         "ours": 2,
         "fallback": 1,

@@ -443,8 +443,8 @@ def test_the_guard_sees_any_change_to_the_judges_files_even_put_back(tmp_path):
 
 
 ATTACKED_FILES = {
-    "memoise": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
-    "side-stream": ["harness/runtime/api.py", "harness/runtime/matmul.py"],
+    "memoise": ["harness/runtime/api.py"],
+    "side-stream": ["harness/runtime/api.py"],
     "reach-base": ["harness/__init__.py"],
     "reach-judge": ["harness/__init__.py"],
     "edit-judge": ["harness/__init__.py"],

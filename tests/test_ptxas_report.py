@@ -1,4 +1,4 @@
-from harness.compile_check.ptxas_report import parse_ptxas_log
+from harness.runtime.ptxas_report import parse_ptxas_log
 
 LOG = """ptxas info    : 0 bytes gmem, 64 bytes cmem[3]
 ptxas info    : Compiling entry function 'a' for 'sm_90'

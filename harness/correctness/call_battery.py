@@ -1,10 +1,10 @@
 """One battery of calls for every path that validates a dequantization call: valid calls in every
 form the kernel takes, and bad calls, each with the rule it breaks.
 
-The same battery runs through the Python path (``api.check_call``), the compiled host path
+The same battery runs through the Python path (``dequantize.check_call``), the compiled host path
 (``host_launcher.cpp``, bound to host tensors on a CPU machine), the registered op's fake
 implementation (``torch.compile``'s view) and, on a GPU, the public drop-in. A call is a dict of
-``api.dequantize_packed``'s arguments.
+``dequantize.dequantize_packed``'s arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def positional(call: dict) -> list:
 
 
 def keywords(call: dict) -> dict:
-    """A call as ``api.check_call`` and ``api.dequantize_packed`` take it."""
+    """A call as ``dequantize.check_call`` and ``dequantize.dequantize_packed`` take it."""
     call = dict(call)
     nested = {k: call.pop(k) for k in ("code2", "absmax2", "blocksize2", "offset")}
     if nested["code2"] is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from harness.correctness.bitcompare import floats_from_bits
-from harness.runtime.api import DTYPES
 from harness.runtime.dequantize_kernel import BLOCKSIZES, OUT_DTYPES, QUANT_TYPES
+from harness.runtime.dtypes import DTYPES
 
 # fp32 scales that stress the multiply and the final rounding: zeros of both signs, the smallest
 # subnormal and normal, values that overflow fp16/bf16 once scaled, infinities, quiet and signalling

@@ -73,14 +73,15 @@ def run_cases(inputs: str) -> int:
 
     from harness.correctness import cases
     from harness.correctness.bitcompare import poison_
-    from harness.runtime import api, dequantize_kernel
+    from harness.runtime import api, dequantize_kernel, host_path
 
     device = torch.device("cuda", torch.cuda.current_device())
     mismatches = 0
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     # The compiled host path as it picks the launch, then the Python path with each tiling forced.
     host_paths = [contextlib.nullcontext] + [
-        functools.partial(_python_path_tiled, api, dequantize_kernel, tiling) for tiling in dequantize_kernel.TILINGS
+        functools.partial(_python_path_tiled, host_path, dequantize_kernel, tiling)
+        for tiling in dequantize_kernel.TILINGS
     ]
     for quant, dtype, nested, shape in itertools.product(("nf4", "fp4"), dtypes, (False, True), SHAPES):
         if inputs == "raw":
@@ -90,11 +91,11 @@ def run_cases(inputs: str) -> int:
             A, qs = cases.quantize_weights(shape, quant, 64, nested, dtype, seed=0, device=device)
         _print_ranges(f"{quant} {dtype} nested={nested} {shape}", A, qs)
         expected = F.dequantize_4bit(A, qs)
-        for host_path, misaligned in itertools.product(host_paths, (False, True)):
+        for path, misaligned in itertools.product(host_paths, (False, True)):
             buffer = torch.empty(expected.numel() + 1, dtype=dtype, device=device)
             out = buffer[1:].view(expected.shape) if misaligned else buffer[:-1].view(expected.shape)
             poison_(out)
-            with host_path():
+            with path():
                 api.dequantize_4bit(A, qs, out=out)
             mismatches += not torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     mismatches += _matmul_cases(inputs, device)
@@ -110,7 +111,7 @@ def _matmul_cases(inputs: str, device) -> int:
     from harness.correctness import cases
     from harness.correctness import matmul_reference as mr
     from harness.correctness.bitcompare import poison_
-    from harness.runtime import api, matmul
+    from harness.runtime import api, host_path, matmul
 
     wrong = 0
     shapes = itertools.product(("nf4", "fp4"), (torch.float16, torch.bfloat16), (False, True), MATMUL_SHAPES)
@@ -125,17 +126,17 @@ def _matmul_cases(inputs: str, device) -> int:
         A = torch.randn(M, K, generator=g, device=device).to(dtype)
         bias = torch.randn(N, generator=g, device=device).to(dtype)
         expected = mr.fused_reference(A, B, qs, api.dequantize_4bit(B, qs), bias, dtype)
-        for host_path in (contextlib.nullcontext, api.python_path_only):  # the compiled entry, then Python's
+        for path in (contextlib.nullcontext, host_path.python_path_only):  # the compiled entry, then Python's
             out = poison_(torch.empty(M, N, dtype=dtype, device=device))
-            with host_path():
+            with path():
                 matmul.fused_matmul(A, B.t(), qs, bias=bias, out=out)
             wrong += not mr.judge(out, expected).ok
     return wrong
 
 
 @contextlib.contextmanager
-def _python_path_tiled(api, dequantize_kernel, tiling):
-    with api.python_path_only(), mock.patch.object(dequantize_kernel, "tiling_for", lambda n: tiling):
+def _python_path_tiled(host_path, dequantize_kernel, tiling):
+    with host_path.python_path_only(), mock.patch.object(dequantize_kernel, "tiling_for", lambda n: tiling):
         yield
 
 

@@ -169,7 +169,7 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
     import bitsandbytes.functional as F
 
     from harness.correctness import cases
-    from harness.runtime import api
+    from harness.runtime import api, host_path
 
     A, qs = cases.quantize_weights((1024, 4096), "nf4", 64, True, torch.bfloat16, seed=2, device=device)
     out = torch.empty(qs.shape, dtype=qs.dtype, device=device)
@@ -183,7 +183,7 @@ def host_rows(timer: gpu_timer.ColdL2Timer, device: torch.device) -> list[dict]:
         "bitsandbytes F.dequantize_4bit": lambda: F.dequantize_4bit(A, qs),
     }
     times = gpu_timer.host_us_per_call(calls, sync, HOST_CALLS, warmup=50)
-    with api.python_path_only():  # the same calls without the compiled host path, for comparison
+    with host_path.python_path_only():  # the same calls without the compiled host path, for comparison
         python_path = {
             "ours, Python path, out=": lambda: api.dequantize_4bit(A, qs, out=out),
             "ours, Python path": lambda: api.dequantize_4bit(A, qs),
@@ -202,7 +202,7 @@ def _matmul_host_us(B: torch.Tensor, qs, sync: Callable[[], object]) -> dict[str
     the compiled host path and through the Python path, and bitsandbytes' in matmul mode."""
     import bitsandbytes as bnb
 
-    from harness.runtime import api, matmul
+    from harness.runtime import host_path, matmul
 
     x = torch.randn(1, qs.shape[1], device=B.device, dtype=qs.dtype)
     calls = {
@@ -210,7 +210,7 @@ def _matmul_host_us(B: torch.Tensor, qs, sync: Callable[[], object]) -> dict[str
         "ours fused_matmul, 1 row": lambda: matmul.fused_matmul(x, B.t(), qs),
     }
     times = gpu_timer.host_us_per_call(calls, sync, HOST_CALLS, warmup=50)
-    with api.python_path_only():
+    with host_path.python_path_only():
         python_path = {"ours fused_matmul, Python path, 1 row": lambda: matmul.fused_matmul(x, B.t(), qs)}
         times |= gpu_timer.host_us_per_call(python_path, sync, HOST_CALLS, warmup=50)
     with patch.bitsandbytes_patched(matmul=True):

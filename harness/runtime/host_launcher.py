@@ -183,7 +183,7 @@ def configure(
     where there is no GPU."""
     import torch
 
-    from harness.runtime.api import DTYPES
+    from harness.runtime.dtypes import DTYPES
 
     if module.entry_args()[: len(ENTRY_ARGS)] != ENTRY_ARGS:
         raise HostLauncherUnavailable(f"host_launcher.cpp takes {module.entry_args()}, expected {ENTRY_ARGS} first")
@@ -226,7 +226,7 @@ def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover, 
     once: the most rows it fuses by weight size where the caller names none. Tests replace the plan
     resolver, and bind an inert launch entry point, where there is no GPU."""
     from harness.runtime import matmul_kernel
-    from harness.runtime.api import DTYPES
+    from harness.runtime.dtypes import DTYPES
 
     if module.matmul_args() != MATMUL_ARGS:
         raise HostLauncherUnavailable(f"host_launcher.cpp's matmul takes {module.matmul_args()}, not {MATMUL_ARGS}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import settings
-from harness.compile_check.ptxas_report import KernelResources, parse_ptxas_log
 from harness.errors import KernelCompileError, ToolchainMissingError
+from harness.runtime.ptxas_report import KernelResources, parse_ptxas_log
 
 # Bump when the cache layout or anything else outside the key's inputs changes what is stored.
 CACHE_SCHEMA = 1

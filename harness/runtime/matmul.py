@@ -1,11 +1,12 @@
-"""Drop-in ``matmul_4bit`` with bitsandbytes 0.50.2's signature and semantics: ``A [..., K] ·
-dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there, ``[K, N]``).
+"""The 4-bit matmul with bitsandbytes 0.50.2's semantics (``api.matmul_4bit`` is its drop-in):
+``A [..., K] · dequant(B)ᵀ (+ bias)`` for a weight quantized from ``[N, K]`` (or, deprecated there,
+``[K, N]``).
 
 Inference calls with few rows (``crossover_m``, measured per GPU and weight size) run the fused kernel
 (``matmul_kernel``), which reads the packed weights once and never writes them out; everything
 else, and every call that needs gradients, runs our dequantization kernel and ``F.linear``, as
 bitsandbytes' own fallback does. A fused call goes to the compiled host path first
-(``host_launcher``'s matmul entry), which takes it where every tensor is as the kernel reads it;
+(``host_path``'s matmul entry), which takes it where every tensor is as the kernel reads it;
 the rest runs the Python path below, with the same decisions (``takes``). A fused result is not
 bit-identical to cuBLAS (another summation order); its bound is
 ``harness.correctness.matmul_reference``'s. Bad input raises ``InputError`` before any
@@ -15,13 +16,12 @@ launch.
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Any
 
 import torch
 
 from harness.errors import InputError
-from harness.runtime import api, host_launcher, launcher, matmul_kernel
+from harness.runtime import dequantize, host_path, launcher, matmul_kernel
+from harness.runtime.dtypes import ACTIVATION_NAME
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
 # from which it holds, rows) by increasing size, the first from 0; above, dequantize + F.linear.
@@ -34,41 +34,10 @@ CROSSOVER_M = {"NVIDIA H100 80GB HBM3": ((0, 128),), "NVIDIA H200": ((0, 128),)}
 # A GPU not measured yet: the smallest token tile's worth, where the fused kernel reads the
 # weights once and dequantize + F.linear reads and writes them twice more.
 DEFAULT_CROSSOVER_M = ((0, 16),)
-_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_is_compiling = torch.compiler.is_compiling
 
 
 def _fail(message: str):
     raise InputError(message)
-
-
-def matmul_4bit(
-    A: torch.Tensor,
-    B: torch.Tensor,
-    quant_state: Any,
-    out: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``bitsandbytes.matmul_4bit``'s drop-in: the same arguments and result shape, ``out``
-    filled and returned when given; a weight quantized as ``[K, N]`` is used transposed, an empty
-    ``A`` returns an empty result. CUDA tensors only (the fallback dequantizes with our kernel).
-    Under ``torch.compile(fullgraph=True)`` it is one registered op (``nf4_harness::matmul_4bit``).
-
-    Raises:
-        InputError: (a ValueError) for anything neither path takes, before any launch.
-        KernelLaunchError: the CUDA driver refused a launch; names the CUDA error.
-    """
-    if quant_state is None:
-        _fail("quant_state is required")
-    if not isinstance(A, torch.Tensor):
-        _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
-    if out is not None and not isinstance(out, torch.Tensor):
-        _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if _is_compiling():
-        check_out_and_bias(A, result_features(A, quant_state.shape)[0], out, bias)
-        return _into(out, torch_op.matmul_call(A, B, quant_state, bias))
-    fields, nested = api.quant_state_args(quant_state)
-    return matmul_parts(A, B, fields, nested, out, bias)
 
 
 def check_out_and_bias(A: torch.Tensor, N: int, out: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -105,7 +74,7 @@ def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:
 
 
 def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torch.Tensor:
-    """``matmul_4bit`` on a quant state read into ``api.quant_state_args``' form: what the
+    """``matmul_4bit`` on a quant state read into ``dequantize.quant_state_args``' form: what the
     drop-in and its registered op (``torch_op``) both run."""
     absmax, blocksize, quant_type, shape, _dtype = fields
     N, transposed = result_features(A, shape)
@@ -113,14 +82,14 @@ def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torc
     if A.numel() == 0 and not needs_grad(A, bias):
         return out if out is not None else A.new_empty((*A.shape[:-1], N))
     if A.device.type != "cuda":
-        _fail(f"A must be on a CUDA device, got {A.device}: {api.CUDA_ONLY}")
+        _fail(f"A must be on a CUDA device, got {A.device}: {dequantize.CUDA_ONLY}")
     if transposed:
-        W = api.dequantize_packed(B, *fields, **nested).to(A.dtype)
-        return _into(out, torch.nn.functional.linear(A, W.t(), bias))
+        W = dequantize.dequantize_packed(B, *fields, **nested).to(A.dtype)
+        return into(out, torch.nn.functional.linear(A, W.t(), bias))
     if (result := try_fused(A, B, fields, nested, bias, out)) is not None:
         return result
-    W = api.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
-    return _into(out, torch.nn.functional.linear(A, W, bias))
+    W = dequantize.dequantize_packed(B, absmax, blocksize, quant_type, shape, A.dtype, **nested)
+    return into(out, torch.nn.functional.linear(A, W, bias))
 
 
 def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -159,7 +128,7 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
     has a fallback (ours, or the bitsandbytes patch's). The compiled host path takes the call
     where its tensors are as the kernel reads them; the rest comes here, with the same decisions."""
     max_rows = _ANY_ROWS if any_rows else None  # None: the GPU's crossover
-    if (host := _host_entry()) is not None:
+    if (host := host_path.matmul_entry(crossover_table)) is not None:
         absmax, blocksize, quant_type, shape, _dtype = fields
         code2, absmax2 = nested.get("code2"), nested.get("absmax2")
         result = host(
@@ -190,7 +159,7 @@ def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: 
     if A.device.type != backend or A.numel() // K > (max_rows or crossover_m(A.device.index, N * K)):
         return False
     return (
-        A.dtype in _NAMES
+        A.dtype in ACTIVATION_NAME
         and matmul_kernel.takes_shape(K, blocksize)
         and _aligned(A)
         and isinstance(B, torch.Tensor)
@@ -206,14 +175,15 @@ def fused_matmul(A, B, quant_state, bias=None, out=None) -> torch.Tensor:
     """The fused kernel's result at any number of rows, never the fallback's: what benchmarks
     and the oracle time and check. Raises ``InputError`` where the kernel does not
     take the call (gradients needed, K not a multiple of 32, a misaligned or non-CUDA tensor)."""
-    fields, nested = api.quant_state_args(quant_state)
+    fields, nested = dequantize.quant_state_args(quant_state)
     result = try_fused(A, B, fields, nested, bias, out, any_rows=True)
     if result is None:
         _fail("the fused kernel does not take this call (see matmul.takes)")
     return result
 
 
-def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` when one is given."""
     if out is None:
         return result
     out.copy_(result)
@@ -237,14 +207,14 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
 
 
 def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.MatmulVariant(_NAMES[A.dtype], quant_type, nested, matmul_kernel.token_tile(M))
+    return matmul_kernel.MatmulVariant(ACTIVATION_NAME[A.dtype], quant_type, nested, matmul_kernel.token_tile(M))
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.Tensor:
     """``fused_matmul`` through the Python path on ``grid`` instead of the one the rules pick
     (``harness.perf.grid_sweep`` times every grid the kernel runs). Raises ValueError for a grid
     the kernel cannot run on this call and GPU (``matmul_kernel.Plan.runs``)."""
-    fields, nested = api.quant_state_args(quant_state)
+    fields, nested = dequantize.quant_state_args(quant_state)
     if not takes(A, B, fields, max_rows=_ANY_ROWS):
         _fail("the fused kernel does not take this call (see matmul.takes)")
     call, p = _checked(A, B, fields, nested)
@@ -254,9 +224,9 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.T
     return _launch(A, call, p, grid, None, None)
 
 
-def _checked(A, B, fields, nested) -> tuple[api.Call, matmul_kernel.Plan]:
+def _checked(A, B, fields, nested) -> tuple[dequantize.Call, matmul_kernel.Plan]:
     """The weight checked by the dequantization call's rules, and its variant's plan on A's GPU."""
-    call = api.check_call(B, *fields[:4], A.dtype, **nested)
+    call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
     M = A.numel() // call.shape[1]
     return call, matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), A.device.index)
 
@@ -267,7 +237,7 @@ def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
     return _launch(A, call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)), bias, out)
 
 
-def _launch(A, call: api.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, bias, out) -> torch.Tensor:
+def _launch(A, call: dequantize.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, bias, out) -> torch.Tensor:
     (N, K), device = call.shape, A.device.index
     M = A.numel() // K
     direct = writes_directly(out, A, N)
@@ -275,10 +245,12 @@ def _launch(A, call: api.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, 
     workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
     main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
     launcher.on_gpu(device, lambda stream: matmul_kernel.launch(p, grid, stream, main_args, finish_args, M, N))
-    return target if direct or out is None else _into(out, target)
+    return target if direct or out is None else into(out, target)
 
 
-def launch_of(A, call: api.Call, bias, target, grid: matmul_kernel.Grid, workspace_ptr: int) -> tuple[tuple, tuple]:
+def launch_of(
+    A, call: dequantize.Call, bias, target, grid: matmul_kernel.Grid, workspace_ptr: int
+) -> tuple[tuple, tuple]:
     """The Python path's kernel arguments for a checked weight (``call``): the main kernel's and
     the finish's (``matmul_kernel.launch_args``)."""
     N, K = call.shape
@@ -288,28 +260,3 @@ def launch_of(A, call: api.Call, bias, target, grid: matmul_kernel.Grid, workspa
         grid, A.data_ptr(), scales, workspace_ptr, bias.data_ptr() if bias is not None else 0, target.data_ptr(),
         A.numel() // K, N, K, call.blocksize, call.blocksize2,
     )  # fmt: skip
-
-
-# The compiled matmul entry, bound beside the dequantization entry the API bound (api._host): the
-# same binding mode, and python_path_only() turns both off.
-_bound: tuple = (None, None)
-_bind_lock = threading.Lock()
-
-
-def _host_entry():
-    global _bound
-    dequantize = api._host if api._host is not None else api._bind_host()
-    if not dequantize:
-        return None
-    beside, entry = _bound
-    if beside is not dequantize:
-        with _bind_lock:
-            beside, entry = _bound
-            if beside is not dequantize:
-                entry = host_launcher.bind_matmul(dequantize, crossover_table)
-                _bound = (dequantize, entry)
-    return entry
-
-
-# Last: the registered op calls back into this module (a circular import that resolves here).
-from harness.runtime import torch_op  # noqa: E402

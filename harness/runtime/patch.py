@@ -43,12 +43,12 @@ import inspect
 import sys
 import threading
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from harness.errors import InputError
 from harness.runtime import compiled_decode as compiled_decode_seams
+from harness.runtime import route_counts
 
 # The bitsandbytes release the patch was proven against (bit-exact, end to end).
 PROVEN_BITSANDBYTES = "0.50.2"
@@ -111,13 +111,8 @@ GEMM_FALLBACK_BLOCKSIZE2 = 256
 _lock = threading.Lock()
 _originals: dict[Seam, Callable] = {}  # bitsandbytes' functions while patched, else empty
 _rebound: list[tuple[object, str, Callable]] = []  # (module, attribute, original) we replaced
-_counts: Counter = Counter()  # (seam label, "ours" | "fallback") -> calls
 _matmul_mode = False  # whether the patch in place routes matmuls too
 _compiled_decode_mode = False  # whether it lets transformers compile 4-bit models' decode
-
-
-def _count(label: str, ours: bool) -> None:
-    _counts[label, "ours" if ours else "fallback"] += 1
 
 
 def _functional_wrapper(original, matmul: bool = False):
@@ -140,16 +135,16 @@ def _functional_wrapper(original, matmul: bool = False):
         except InputError:
             pass  # not something our kernel takes (nothing was launched): bitsandbytes decides
         else:
-            _count("functional", True)
+            route_counts.count("functional", True)
             return result
-        _count("functional", False)
+        route_counts.count("functional", False)
         return original(A, quant_state, absmax, out, blocksize, quant_type)
 
     return dequantize_4bit
 
 
 def _gemm_weight(shapeB, absmax, blocksize, quant_type, dtype, absmax_8bit, absmax_code, absmax_offset):
-    """gemm_4bit's weight arguments as ``api.quant_state_args``' (fields, nested keywords)."""
+    """gemm_4bit's weight arguments as ``dequantize.quant_state_args``' (fields, nested keywords)."""
     if absmax_8bit is None:
         return (absmax, blocksize, quant_type, shapeB, dtype), {}
     nested = {"code2": absmax_code, "absmax2": absmax, "blocksize2": GEMM_FALLBACK_BLOCKSIZE2, "offset": absmax_offset}
@@ -165,14 +160,14 @@ def _fused_gemm(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, 
         result = matmul.try_fused(A, B, *_gemm_weight(*weight), bias)
     except InputError:
         result = None
-    _count("gemm_4bit fused", result is not None)
+    route_counts.count("gemm_4bit fused", result is not None)
     return result
 
 
 def _gemm_fallback_wrapper(original, matmul: bool = False):
     import torch
 
-    from harness.runtime import api
+    from harness.runtime import dequantize
 
     linear = torch.nn.functional.linear
 
@@ -185,11 +180,11 @@ def _gemm_fallback_wrapper(original, matmul: bool = False):
             return result
         fields, nested = _gemm_weight(shapeB, absmax, blocksize, quant_type, A.dtype, *args[7:])
         try:
-            B_dq = api.dequantize_packed(B, *fields, **nested)
+            B_dq = dequantize.dequantize_packed(B, *fields, **nested)
         except InputError:
-            _count("gemm_4bit fallback", False)
+            route_counts.count("gemm_4bit fallback", False)
             return original(*args)
-        _count("gemm_4bit fallback", True)
+        route_counts.count("gemm_4bit fallback", True)
         return linear(A, B_dq, bias)
 
     return _dequant_linear_fallback
@@ -208,18 +203,18 @@ def _gemm_kernel_wrapper(original, matmul: bool = True):
 
 
 def _op_impl_wrapper(original, matmul: bool = False):
-    from harness.runtime import api
+    from harness.runtime import dequantize
 
     @functools.wraps(original)
     def _dequantize_4bit_impl(A, absmax, blocksize, quant_type, dtype, out):
         try:
             if out.dtype != dtype:
                 raise InputError("out's dtype differs: bitsandbytes' kernel decides")
-            api.dequantize_packed(A, absmax, blocksize, quant_type, out.shape, dtype, out)
+            dequantize.dequantize_packed(A, absmax, blocksize, quant_type, out.shape, dtype, out)
         except InputError:
-            _count("dequantize_4bit op", False)
+            route_counts.count("dequantize_4bit op", False)
             return original(A, absmax, blocksize, quant_type, dtype, out)
-        _count("dequantize_4bit op", True)
+        route_counts.count("dequantize_4bit op", True)
         return None
 
     return _dequantize_4bit_impl
@@ -363,7 +358,7 @@ def routed_calls() -> dict[str, int]:
     ``compiled op``, and with ``matmul=True`` ``gemm_4bit fused``)."""
     totals = {"ours": 0, "fallback": 0}
     per_seam = {}
-    for (label, kind), n in sorted(_counts.items()):
+    for (label, kind), n in sorted(route_counts.counts.items()):
         totals[kind] += n
         per_seam[f"{label}: {kind}"] = n
     return totals | per_seam

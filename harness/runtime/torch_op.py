@@ -4,7 +4,7 @@ TorchDynamo cannot trace the launcher (it passes raw pointers to the driver), so
 ``harness.dequantize_4bit`` and the patched bitsandbytes function call these ops while they are
 being traced: the graph holds one opaque ``nf4_harness::dequantize_4bit`` node (nested decode
 fused, as in eager mode), whose fake implementation checks the call against the same rules as
-eager mode (``api.check_call``, metadata only) and gives the compiler the output's shape and dtype.
+eager mode (``dequantize.check_call``, metadata only) and gives the compiler the output's shape and dtype.
 
 The ops are registered once per process: a second copy of ``harness`` loaded beside this one
 (the perf gate's A/B process holds two) finds them registered and calls the first copy's.
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.runtime import api, matmul, patch
+from harness.runtime import dequantize, matmul, route_counts
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
+from harness.runtime.dtypes import DTYPES
 
 
 def dequantize_4bit(
@@ -46,7 +47,7 @@ def _check(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, 
     if offset is not None and offset.device.type == "cpu":
         offset = offset_value  # a host offset is read with .item() at run time; a fake has no value
     nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
-    api.check_call(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+    dequantize.check_call(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
 
 
 def _nested(code2, absmax2, blocksize2, offset, offset_value) -> dict:
@@ -129,8 +130,8 @@ _register()
 
 def _run(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
     nested = _nested(code2, absmax2, blocksize2, offset, offset_value)
-    result = api.dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
-    patch._count("compiled op", True)
+    result = dequantize.dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+    route_counts.count("compiled op", True)
     return result
 
 
@@ -140,7 +141,7 @@ def takes(A, quant_state) -> bool:
     by the op's fake implementation. Anything else stays with bitsandbytes' own traced ops."""
     if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dim() > 0):
         return False
-    if quant_state.dtype not in api.DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
+    if quant_state.dtype not in DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
         return False
     if quant_state.quant_type not in QUANT_TYPES:
         return False
@@ -178,23 +179,22 @@ def _state_args(quant_state, dtype) -> tuple:
 def call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"):
     """The traced equivalent of ``api.dequantize_4bit``, same arguments."""
     if quant_state is None:
-        if absmax is None or out is None:
-            api._fail("dequantize_4bit requires both absmax and out when quant_state is not provided")
+        dequantize.check_explicit_args(absmax, out)
         blocksize = 64 if blocksize is None else blocksize
         args = (A, absmax, blocksize, quant_type, list(out.shape), out.dtype, None, None, 0, None, 0.0)
         torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
-        return api.transposed_like_bitsandbytes(A, out)
+        return dequantize.transposed_like_bitsandbytes(A, out)
     args = (A, *_state_args(quant_state, quant_state.dtype))
     if out is None:
         result = torch.ops.nf4_harness.dequantize_4bit(*args)
     else:
         torch.ops.nf4_harness.dequantize_4bit_out(*args, out)
         result = out
-    return api.transposed_like_bitsandbytes(A, result)
+    return dequantize.transposed_like_bitsandbytes(A, result)
 
 
 def matmul_call(A, B, quant_state, bias):
-    """The traced equivalent of ``matmul.matmul_4bit`` without ``out``: with gradients, our
+    """The traced equivalent of ``api.matmul_4bit`` without ``out``: with gradients, our
     dequantization op and an F.linear autograd differentiates; without, one matmul op."""
     if matmul.needs_grad(A, bias):
         _features, transposed = matmul.result_features(A, quant_state.shape)

@@ -70,7 +70,6 @@ _REACH_BASE = """
 
 # ADVERSARIAL (tests/perf/adversarial.py): slow down every other copy of the drop-ins in reach.
 import harness.runtime.api as _own_api  # noqa: E402
-import harness.runtime.matmul as _own_matmul  # noqa: E402
 
 
 def _adversarial_reach_base():
@@ -87,7 +86,7 @@ def _adversarial_reach_base():
         return slower
 
     for module in [m for m in gc.get_objects() if isinstance(m, types.ModuleType)]:
-        if module in (_own_api, _own_matmul):
+        if module is _own_api:
             continue
         for entry in ("dequantize_4bit", "matmul_4bit"):
             if getattr(module, "__name__", "").startswith("harness.") and callable(getattr(module, entry, None)):
@@ -156,7 +155,7 @@ _adversarial_edit_judge()
 """
 
 ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge")
-_DROP_INS = {Path("harness/runtime/api.py"): "dequantize_4bit", Path("harness/runtime/matmul.py"): "matmul_4bit"}
+_DROP_INS = ((Path("harness/runtime/api.py"), "dequantize_4bit"), (Path("harness/runtime/api.py"), "matmul_4bit"))
 
 
 def build(source_root: Path, dest: Path, attack: str) -> Path:
@@ -164,7 +163,7 @@ def build(source_root: Path, dest: Path, attack: str) -> Path:
     root = planted.copy_checkout(source_root, dest)
     if attack in ("memoise", "side-stream"):
         wrapper = _MEMOISE if attack == "memoise" else _SIDE_STREAM
-        for path, name in _DROP_INS.items():
+        for path, name in _DROP_INS:
             (root / path).write_text((root / path).read_text() + wrapper.replace("NAME", name))
         return root
     init = root / "harness" / "__init__.py"

@@ -29,7 +29,7 @@ import torch
 
 from harness.correctness import cases, shapes
 from harness.perf import gpu_info, gpu_timer
-from harness.runtime import api
+from harness.runtime import api, dtypes
 
 SOURCES = ("kernels.cu", "ops.cu", "common.cpp")
 # Our C entry points into 0.47.0's host launcher (its own C API file no longer compiles against
@@ -53,7 +53,7 @@ struct Sum {
 }
 """
 MODELS = ("gemma-3-27b", "qwen3-32b", "llama-3.3-70b")
-DTYPES = {name: api.DTYPES[name] for name in ("fp16", "bf16")}
+DTYPES = {name: dtypes.DTYPES[name] for name in ("fp16", "bf16")}
 
 
 def build(src: Path, arch: str, work: Path) -> Path:

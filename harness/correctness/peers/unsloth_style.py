@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from harness.runtime.api import DTYPES
+from harness.runtime.dtypes import DTYPES
 
 _SUFFIX = {dtype: name for name, dtype in DTYPES.items() if name != "fp32"}
 

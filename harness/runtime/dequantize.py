@@ -1,0 +1,229 @@
+"""The dequantization call at the tensor level: a quant state read into the kernel's arguments,
+the call's checks, and the launch, for every caller (the drop-in ``api.dequantize_4bit``, its
+registered op, the fused matmul's weight checks and fallback, the bitsandbytes patch).
+
+Everything is validated before anything is enqueued, so a bad call never reaches the GPU and the
+CUDA context stays usable. Differences from bitsandbytes are deliberate and only make it stricter:
+bitsandbytes would silently read out of bounds or reinterpret memory for the inputs rejected here
+(short absmax, wrong dtypes, tensors on another GPU, a non-contiguous ``out``).
+
+A call goes to the compiled host path first (``host_path``), which takes it when every tensor is
+already as the kernel reads it; anything else, bad input included, runs the Python path below,
+which owns every error message. Both paths check the same rule tables (``dequantize_kernel``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from harness.errors import InputError
+from harness.runtime import dequantize_kernel, host_path, launcher, operands
+from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
+from harness.runtime.dtypes import OUT_NAME
+
+# What a call on host tensors is told (the compiled path and the registered op only see CUDA ones).
+CUDA_ONLY = (
+    "the drop-ins are CUDA-only; for CPU tensors call bitsandbytes' own functions "
+    "(bitsandbytes.functional.dequantize_4bit, bitsandbytes.matmul_4bit)"
+)
+
+
+def _fail(msg: str):
+    raise InputError(msg)
+
+
+def check_explicit_args(absmax: Any, out: Any) -> None:
+    """bitsandbytes' rule for a call without a quant state: ``absmax`` and ``out`` both given."""
+    if absmax is None or out is None:
+        _fail("dequantize_4bit requires both absmax and out when quant_state is not provided")
+    if not isinstance(out, torch.Tensor):
+        _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
+
+
+def transposed_like_bitsandbytes(A: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' back-compat shim: A passed as [1, bytes] gets its output transposed."""
+    return result.t() if A.shape[0] == 1 else result
+
+
+def quant_state_args(quant_state: Any) -> tuple[tuple, dict]:
+    """A QuantState's fields as ``dequantize_packed``'s arguments: (absmax, blocksize, quant_type,
+    shape, dtype) and the nested keywords (empty where the scales are plain)."""
+    try:  # read every field first, so only a quant state's own gap is reported as one
+        absmax, shape, dtype = quant_state.absmax, quant_state.shape, quant_state.dtype
+        blocksize, quant_type = quant_state.blocksize, quant_state.quant_type
+        state2 = getattr(quant_state, "state2", None)
+        nested = bool(getattr(quant_state, "nested", state2 is not None))  # what bitsandbytes branches on
+        if nested and state2 is not None:
+            code2, absmax2, blocksize2 = state2.code, state2.absmax, getattr(state2, "blocksize", None)
+    except AttributeError as e:
+        _fail(f"quant_state must be a bitsandbytes QuantState: {e}")
+    if not nested:
+        return (absmax, blocksize, quant_type, shape, dtype), {}
+    if state2 is None:
+        _fail("quant_state.nested is set but quant_state.state2 is None")
+    if getattr(state2, "dtype", torch.float32) != torch.float32:
+        _fail(f"nested statistics must decode to float32 (state2.dtype), got {state2.dtype}")
+    offset = getattr(quant_state, "offset", None)
+    if offset is None:
+        _fail("nested quant_state has no offset")
+    nested_args = {"code2": code2, "absmax2": absmax2, "blocksize2": blocksize2, "offset": offset}
+    return (absmax, blocksize, quant_type, shape, dtype), nested_args
+
+
+class Call(NamedTuple):
+    """A call that obeys every rule, with what its launch needs read from it once."""
+
+    quant_type: str
+    out_name: str
+    nested: bool
+    device: torch.device
+    shape: torch.Size
+    dtype: torch.dtype
+    n: int
+    blocksize: int
+    blocksize2: int
+    scales: tuple  # the first six KernelArgs but for the packed pointer: tensors and the offset value
+    A: torch.Tensor
+
+
+def check_call(
+    A: Any,
+    absmax: Any,
+    blocksize: Any,
+    quant_type: Any,
+    shape: Any,
+    dtype: Any,
+    out: Any = None,
+    *,
+    code2: Any = None,
+    absmax2: Any = None,
+    blocksize2: Any = None,
+    offset: Any = None,
+    backend: str = "cuda",
+) -> Call:
+    """The Python path's checks, in bitsandbytes' order and with its messages where it has them:
+    the configuration, then every operand against ``dequantize_kernel``'s rule tables (the tables
+    the compiled path reads). Reads metadata only, but for a nested offset given as a host tensor
+    (its value is read) or in another float dtype (converted to fp32 on its device). ``backend``
+    is "cpu" only in the tests that run these rules on host tensors."""
+    if type(blocksize) is not int or blocksize not in BLOCKSIZES:  # 64.0 == 64, but not a block size
+        _fail(f"invalid blocksize {blocksize}")
+    if quant_type not in QUANT_TYPES:
+        _fail(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+    out_name = OUT_NAME.get(dtype)
+    if out_name is None:
+        _fail(f"Blockwise 4bit dequantization only supports 16/32-bit floats, but got {dtype}")
+    if not isinstance(A, torch.Tensor):
+        _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
+    if A.device.type != backend:
+        hint = f": {CUDA_ONLY}" if backend == "cuda" else ""
+        _fail(f"A must be on a {backend.upper()} device, got {A.device}{hint}")
+    try:
+        shape = shape if type(shape) is torch.Size else torch.Size(shape)
+    except (TypeError, ValueError) as e:
+        _fail(f"shape must be a sequence of ints: {e}")
+    if any(d < 0 for d in shape):
+        _fail(f"shape must not have negative sizes, got {tuple(shape)}")
+    n = math.prod(shape)
+    device = A.device
+
+    nested = code2 is not None
+    if nested:
+        if not isinstance(blocksize2, int) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
+            _fail(f"quant_state.state2.blocksize must be a positive power of two, got {blocksize2!r}")
+        table = dequantize_kernel.NESTED_OPERANDS
+    else:
+        blocksize2, table = 1, dequantize_kernel.PLAIN_OPERANDS
+    values = {"A": A, "absmax": absmax, "code2": code2, "absmax2": absmax2, "out": out}
+    quantities = dequantize_kernel.quantities(n, blocksize, blocksize2)
+    for operand in table:
+        operands.check(operand, values[operand.arg], device, quantities, dtype, shape)
+    offset_value = 0.0
+    if nested:
+        offset, offset_value = _offset_form(offset, device)
+        if offset is not None:
+            operands.check(dequantize_kernel.OFFSET, offset, device, quantities)
+    if out is not None:
+        operands.check(dequantize_kernel.OUTPUT, out, device, quantities, dtype, shape)
+    scales = (absmax, code2, absmax2, offset, offset_value)
+    return Call(quant_type, out_name, nested, device, shape, dtype, n, blocksize, blocksize2, scales, A)
+
+
+def _offset_form(offset: Any, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """The nested offset as (device tensor the kernel reads, or None; value): a host tensor or a
+    number becomes a value, another float dtype is converted; the offset rule checks the tensor."""
+    if isinstance(offset, torch.Tensor):
+        if offset.numel() != 1:
+            _fail(f"quant_state.offset must hold one value, got {offset.numel()}")
+        if offset.device.type == "cpu" and device.type != "cpu":
+            return None, float(offset.item())
+        if offset.device == device and offset.dtype != torch.float32 and offset.is_floating_point():
+            offset = offset.float()  # exact for fp16/bf16; torch rounds wider types to fp32 too
+        return offset, 0.0
+    if isinstance(offset, (int, float)):
+        return None, float(offset)
+    _fail(f"nested quant_state needs a numeric offset, got {type(offset).__name__}")
+
+
+def launch_of(call: Call, out: torch.Tensor, tiling: tuple[int, int] | None = None) -> tuple:
+    """The launch the Python path makes for a checked call into ``out``: ((quant type, output
+    dtype, nested, tiling, device index), grid, threads per block, KernelArgs)."""
+    tiling = tiling or dequantize_kernel.tiling_for(call.n)
+    g = dequantize_kernel.geometry(call.quant_type, call.out_name, call.nested, tiling)
+    grid, args = dequantize_kernel.kernel_args(g, _pointers(call), out.data_ptr(), call.n, *_block_sizes(call))
+    return (call.quant_type, call.out_name, call.nested, tiling, call.device.index), grid, g.threads, args
+
+
+def _pointers(call: Call) -> tuple[int, int, int, int, int, float]:
+    absmax, code2, absmax2, offset, offset_value = call.scales
+    ptr = [t.data_ptr() if t is not None else 0 for t in (call.A, absmax, code2, absmax2, offset)]
+    return (*ptr, offset_value)
+
+
+def _block_sizes(call: Call) -> tuple[int, int]:
+    return call.blocksize, call.blocksize2
+
+
+def dequantize_packed(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    *,
+    code2: torch.Tensor | None = None,
+    absmax2: torch.Tensor | None = None,
+    blocksize2: int | None = None,
+    offset: Any = None,
+) -> torch.Tensor:
+    """The tensor-level entry every caller shares: ``A`` packed bytes (in any dtype), ``absmax``
+    the fp32 block scales or, with ``code2`` given, their 8-bit codes decoded in the same launch
+    as ``code2[absmax] * absmax2[block // blocksize2] + offset``. Returns ``out`` (allocated when
+    None) shaped ``shape``; never transposes."""
+    host = host_path.dequantize if host_path.dequantize is not None else host_path.bind_dequantize()
+    if host:
+        result = host(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
+        if result is not None:
+            if result.__class__ is int:  # the driver refused the launch: name the variant and the error
+                variant = dequantize_kernel.plan(
+                    quant_type, OUT_NAME[dtype], code2 is not None, math.prod(shape), A.get_device()
+                )
+                raise launcher.launch_error(variant.kernel.label, result)
+            return result
+    call = check_call(
+        A, absmax, blocksize, quant_type, shape, dtype, out, code2=code2, absmax2=absmax2, blocksize2=blocksize2,
+        offset=offset,
+    )  # fmt: skip
+    if out is None:
+        out = A.new_empty(call.shape, dtype=dtype)
+    if call.n:
+        dequantize_kernel.launch(
+            call.quant_type, call.out_name, call.nested, call.device.index, _pointers(call), out.data_ptr(), call.n,
+            *_block_sizes(call),
+        )  # fmt: skip
+    return out
