@@ -10,7 +10,15 @@ from typing import Any
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, matmul, torch_op
+from harness.runtime import matmul, torch_op
+
+# Bound here, not looked up on the module each call: the drop-in's host time.
+from harness.runtime.dequantize import (
+    check_explicit_args,
+    dequantize_packed,
+    quant_state_args,
+    transposed_like_bitsandbytes,
+)
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -45,17 +53,17 @@ def dequantize_4bit(
     if _is_compiling():
         return torch_op.call(A, quant_state, absmax, out, blocksize, quant_type)
     if quant_state is None:
-        dequantize.check_explicit_args(absmax, out)
-        result = dequantize.dequantize_packed(
+        check_explicit_args(absmax, out)
+        result = dequantize_packed(
             A, absmax, 64 if blocksize is None else blocksize, quant_type, out.shape, out.dtype, out
         )
     else:
-        fields, nested = dequantize.quant_state_args(quant_state)
+        fields, nested = quant_state_args(quant_state)
         if nested:
-            result = dequantize.dequantize_packed(A, *fields, out, **nested)
+            result = dequantize_packed(A, *fields, out, **nested)
         else:
-            result = dequantize.dequantize_packed(A, *fields, out)
-    return dequantize.transposed_like_bitsandbytes(A, result)
+            result = dequantize_packed(A, *fields, out)
+    return transposed_like_bitsandbytes(A, result)
 
 
 def matmul_4bit(
@@ -83,5 +91,5 @@ def matmul_4bit(
     if _is_compiling():
         matmul.check_out_and_bias(A, matmul.result_features(A, quant_state.shape)[0], out, bias)
         return matmul.into(out, torch_op.matmul_call(A, B, quant_state, bias))
-    fields, nested = dequantize.quant_state_args(quant_state)
+    fields, nested = quant_state_args(quant_state)
     return matmul.matmul_parts(A, B, fields, nested, out, bias)

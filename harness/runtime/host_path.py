@@ -38,6 +38,9 @@ def matmul_entry(crossover):
     with ``crossover`` (device index -> the GPU's crossover table) as its rows rule; the same
     binding mode, and ``python_path_only`` turns both off."""
     global _matmul
+    bound_to, entry = _matmul
+    if bound_to is dequantize and bound_to:  # bound, and beside the entry in use: every call after the first
+        return entry
     beside = dequantize if dequantize is not None else bind_dequantize()
     if not beside:
         return None

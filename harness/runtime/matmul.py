@@ -20,8 +20,9 @@ import functools
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, host_path, launcher, matmul_kernel
+from harness.runtime import dequantize, launcher, matmul_kernel
 from harness.runtime.dtypes import ACTIVATION_NAME
+from harness.runtime.host_path import matmul_entry
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
 # from which it holds, rows) by increasing size, the first from 0; above, dequantize + F.linear.
@@ -128,7 +129,7 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
     has a fallback (ours, or the bitsandbytes patch's). The compiled host path takes the call
     where its tensors are as the kernel reads them; the rest comes here, with the same decisions."""
     max_rows = _ANY_ROWS if any_rows else None  # None: the GPU's crossover
-    if (host := host_path.matmul_entry(crossover_table)) is not None:
+    if (host := matmul_entry(crossover_table)) is not None:
         absmax, blocksize, quant_type, shape, _dtype = fields
         code2, absmax2 = nested.get("code2"), nested.get("absmax2")
         result = host(
