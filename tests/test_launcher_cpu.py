@@ -3,8 +3,11 @@ the kernel signature it packs for, and the size-based tiling choice. No GPU need
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +17,12 @@ from harness.runtime.dequantize_kernel import (
     KERNEL_PARAMS,
     LARGE_MIN_ELEMENTS,
     LARGE_TILING,
+    OUT_DTYPES,
+    QUANT_TYPES,
     SMALL_TILING,
     SOURCE,
     KernelArgs,
+    KernelVariant,
     all_variants,
     tiling_for,
 )
@@ -136,7 +142,15 @@ def test_tiling_switches_at_the_measured_crossover():
     assert SMALL_TILING[0] * SMALL_TILING[1] == LARGE_TILING[0] * LARGE_TILING[1]  # same tile, NOTES.md
 
 
-def test_every_tiling_the_api_can_pick_is_a_compiled_variant():
-    tilings = {(v.threads, v.unroll) for v in all_variants()}
-    assert tilings == {SMALL_TILING, LARGE_TILING}
-    assert len({v.name for v in all_variants()}) == len(all_variants())
+def test_every_kernel_the_api_can_launch_is_in_the_compile_record():
+    """What the drop-in launches for any size (its tiling rule, every format and dtype) is a
+    variant the compile check compiled and recorded for every arch: none reaches a user unchecked."""
+    record = json.loads((Path(__file__).resolve().parents[1] / "baselines" / "ptxas-resources.json").read_text())
+    sizes = (0, 1, LARGE_MIN_ELEMENTS - 1, LARGE_MIN_ELEMENTS, 1 << 34)
+    picked = {
+        KernelVariant(q, d, nested, *tiling_for(n)).name
+        for q, d, nested, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True), sizes)
+    }
+    for arch in jit.CHECKED_ARCHS:
+        assert {f"{name}@{arch}" for name in picked} <= set(record["kernels"]), arch
+    assert picked == {v.name for v in all_variants()}  # and nothing compiled that no call launches

@@ -214,9 +214,6 @@ def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
         for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
     }
     assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 16, (64, "sm_90"): 2}
-    for tokens, arch in sizes:
-        macros = dict(matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).macros(arch))
-        assert macros["MM_CLUSTER_SPLITS"] == str(sizes[tokens, arch])
 
 
 def test_a_kernel_asked_for_clusters_below_sm_90_does_not_compile():
