@@ -8,6 +8,7 @@ on an H100), and earlier GPU tests in the same pytest process create one.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from harness.runtime.dequantize_kernel import ENTRY, all_variants
 
 _COMPILE_ALL = """
 import json
+import re
 from harness.compile_check.resource_record import compiled_modules
 from harness.runtime import jit
 out = {}
@@ -102,3 +104,15 @@ def test_every_kernel_takes_the_code_tables_from_the_one_header():
     for source, header in includes.items():
         text = (jit.kernels_dir() / source).read_text()
         assert f'#include "{header}"' in text and not table_bits & set(re.findall(r"0x[0-9a-f]{8}u", text)), source
+
+
+def test_every_entry_point_in_the_sources_belongs_to_an_op_of_the_registry():
+    """What the compile check, the record and the sanitizer iterate (``ops.OPS``) is every kernel
+    the sources define, but the perf timer's stream blocker: a new entry point outside an op's
+    descriptor fails here."""
+    from harness.runtime import ops
+
+    pattern = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
+    defined = {name for path in jit.kernels_dir().glob("*.cu*") for name in pattern.findall(path.read_text())}
+    assert defined == {*ops.entries(), "block_stream"}
+    assert len(ops.entries()) == len(set(ops.entries()))

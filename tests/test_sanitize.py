@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.correctness import sanitize
-from harness.runtime import matmul_kernel
+from harness.runtime import matmul_kernel, ops
 from tests import hopper_plans as hopper
 
 REPORT = """========= COMPUTE-SANITIZER
@@ -79,7 +79,7 @@ def test_an_uninitialized_read_is_traced_to_its_buffer_and_offset():
 
 
 def test_errors_in_each_of_our_kernels_are_ours_and_the_filter_selects_each():
-    for name in sanitize.KERNELS:
+    for name in ops.entries():
         report = REPORT.replace("dequantize_4bit_kernel", name)
         assert sanitize.count_errors(report)["errors in our kernel"] == 1, name
         assert sanitize.KERNEL_FILTER in name  # what --kernel-name selects for the filtered tools

@@ -15,18 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.perf.gpu_info import installed_version
-from harness.runtime import dequantize_kernel, jit, matmul_kernel
+from harness.runtime import jit, ops
 
 DEFAULT_RECORD = Path(__file__).resolve().parents[2] / "baselines" / "ptxas-resources.json"
 FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "shared_bytes")
 UPDATE_COMMAND = "nox -s compile -- --update"
-
-
-def _specs(arch: str) -> list[tuple[str, jit.CompileSpec]]:
-    """(record name, compile spec) of every variant of every op for one arch."""
-    return [(v.name, dequantize_kernel.spec_for(v, arch)) for v in dequantize_kernel.all_variants()] + [
-        (v.name, matmul_kernel.spec_for(v, arch)) for v in matmul_kernel.all_variants()
-    ]
 
 
 def _compiled(spec: jit.CompileSpec) -> jit.CompiledKernel:
@@ -40,7 +33,7 @@ def _compiled(spec: jit.CompileSpec) -> jit.CompiledKernel:
 def compiled_modules(arch: str) -> list[tuple[str, jit.CompiledKernel]]:
     """(record name, compiled module) of every variant of every op for one arch, compiled on
     every core (NVRTC runs without the GIL)."""
-    names, specs = zip(*_specs(arch), strict=True)
+    names, specs = zip(*ops.compile_specs(arch), strict=True)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return list(zip(names, pool.map(_compiled, specs), strict=True))
 

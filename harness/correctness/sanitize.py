@@ -36,10 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
+from harness.runtime import ops
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-KERNELS = ("dequantize_4bit_kernel", "matmul_4bit_kernel", "matmul_4bit_finish")
-# What the filtered tools select by (a substring of every name above, and of no kernel the cases
-# launch otherwise: PyTorch's and bitsandbytes' quantizer and dequantizer).
+# Our kernels' entry points, and what the filtered tools select by (a substring of every one of
+# them, and of no kernel the cases launch otherwise: PyTorch's and bitsandbytes' quantizer and
+# dequantizer; tests/test_sanitize.py holds the two together).
 KERNEL_FILTER = "_4bit_"
 # Fused matmul cases (M, N, K), both kernels split and unsplit: the 8-token kernel with K in two
 # splits ending in a partial step (one table per 64 k), and unsplit over one partial step (K % 64
@@ -153,7 +155,7 @@ def _print_ranges(label: str, A, qs) -> None:
 
 
 def _ours(where: str) -> bool:
-    return any(k in where for k in KERNELS)
+    return any(k in where for k in ops.entries())
 
 
 def error_records(report: str) -> list[tuple[str, str, str | None]]:

@@ -1,0 +1,37 @@
+"""The ops this package ships, each behind one descriptor of its kernels: the shared machinery that
+compiles, records or sanitizes every kernel (``harness.compile_check``, ``harness.correctness.sanitize``)
+iterates ``OPS`` instead of naming ops. Another op is its own kernel module and one line here.
+
+Importable without PyTorch (the compile check runs on machines without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harness.runtime import dequantize_kernel, jit, matmul_kernel
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    variants: Callable[[], list]  # every variant a call can launch: what the compile check compiles
+    spec_for: Callable[[object, str], jit.CompileSpec]  # (variant, GPU arch) -> its compile spec
+    entries: tuple[str, ...]  # the kernels' entry points (a sanitizer report names them)
+
+
+OPS = (
+    Op("dequantize", dequantize_kernel.all_variants, dequantize_kernel.spec_for, (dequantize_kernel.ENTRY,)),
+    Op("matmul", matmul_kernel.all_variants, matmul_kernel.spec_for, (matmul_kernel.ENTRY, matmul_kernel.FINISH)),
+)
+
+
+def compile_specs(arch: str) -> list[tuple[str, jit.CompileSpec]]:
+    """(variant name, compile spec) of every variant of every op for a GPU of ``arch``."""
+    return [(v.name, op.spec_for(v, arch)) for op in OPS for v in op.variants()]
+
+
+def entries() -> tuple[str, ...]:
+    """Every op's entry points."""
+    return tuple(e for op in OPS for e in op.entries)
