@@ -2,8 +2,9 @@
 
 No GPU needed. The compiled host path is bound to host tensors (its ``cpu`` backend) with inert
 driver entry points, and asked what it would launch (``describe``) instead of launching; the
-Python path is asked the same (``dequantize.check_call`` + ``dequantize.launch_of``). For every valid call both
-must choose the same variant, tiling, grid, block and kernel arguments, slot for slot; for every
+Python path is asked the same (``dequantize.check_call`` + ``dequantize.launch_of``, the launch
+``dequantize_packed`` makes). For every valid call both must choose the same variant, tiling, grid,
+block and kernel arguments, slot for slot; for every
 bad call the Python path must name the broken rule and the compiled path must decline. The
 registered op's fake implementation (what ``torch.compile`` traces) runs the battery on fake CUDA
 tensors.

@@ -169,7 +169,8 @@ def _offset_form(offset: Any, device: torch.device) -> tuple[torch.Tensor | None
 
 
 def launch_of(call: Call, out: torch.Tensor, tiling: tuple[int, int] | None = None) -> tuple:
-    """The launch the Python path makes for a checked call into ``out``: ((quant type, output
+    """The launch the Python path makes for a checked call into ``out`` (``dequantize_packed``
+    launches exactly this; the compiled path's ``describe`` answers the same): ((quant type, output
     dtype, nested, tiling, device index), grid, threads per block, KernelArgs)."""
     tiling = tiling or dequantize_kernel.tiling_for(call.n)
     g = dequantize_kernel.geometry(call.quant_type, call.out_name, call.nested, tiling)
@@ -222,8 +223,5 @@ def dequantize_packed(
     if out is None:
         out = A.new_empty(call.shape, dtype=dtype)
     if call.n:
-        dequantize_kernel.launch(
-            call.quant_type, call.out_name, call.nested, call.device.index, _pointers(call), out.data_ptr(), call.n,
-            *_block_sizes(call),
-        )  # fmt: skip
+        dequantize_kernel.launch(*launch_of(call, out))
     return out

@@ -211,21 +211,9 @@ def kernel_args(
     return grid, KernelArgs(*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
 
 
-def launch(
-    quant_type: str,
-    out_dtype: str,
-    nested: bool,
-    device_index: int,
-    scales: tuple[int, int, int, int, int, float],
-    out_ptr: int,
-    n: int,
-    blocksize: int,
-    blocksize2: int,
-) -> None:
-    """Dequantize ``n`` elements on the current stream of GPU ``device_index``. ``scales`` holds
-    the first six KernelArgs (packed data, absmax, code2, absmax2, offset pointer and value);
+def launch(key: tuple[str, str, bool, tuple[int, int], int], grid: int, threads: int, args: KernelArgs) -> None:
+    """Enqueue one launch on the current stream of its GPU: ``key`` is (quant type, output dtype,
+    nested, tiling, device index), the rest as ``kernel_args`` forms them for that tiling's geometry;
     the inputs are valid (the caller checked them)."""
-    p = plan(quant_type, out_dtype, nested, n, device_index)
-    grid, args = kernel_args(p.geometry, scales, out_ptr, n, blocksize, blocksize2)
-    threads = p.geometry.threads
-    launcher.on_gpu(device_index, lambda stream: launcher.launch(p.kernel, grid, threads, stream, args))
+    p = plan_tiled(*key)
+    launcher.on_gpu(key[4], lambda stream: launcher.launch(p.kernel, grid, threads, stream, args))
