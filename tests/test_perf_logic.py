@@ -640,3 +640,11 @@ def test_a_side_is_named_by_a_commit_only_at_the_top_of_its_checkout(tmp_path):
     assert sides.describe(repo) == f"{repo.resolve()} @ {rev}+dirty"
     assert sides.describe(repo / "unpacked") == str((repo / "unpacked").resolve())
     assert sides.describe(tmp_path) == str(tmp_path.resolve())
+
+
+def test_every_case_the_catalog_times_has_its_kind_in_the_stage():
+    """The stage asks a case's kind for its inputs, call, reference and check (``stage.KINDS``):
+    a catalog case of a kind it does not know would fail only on a GPU, in the middle of a session."""
+    kinds = {case.kind for case in [*catalog.kernel_cases(), *catalog.matmul_cases()]}
+    assert kinds == set(stage.KINDS) == {"dequantize", "matmul"}
+    assert all(kind.name == name for name, kind in stage.KINDS.items())

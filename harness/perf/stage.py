@@ -36,6 +36,96 @@ CHECKED = 3  # samples per batch whose output the judge checks
 SLOTS = max(VARIANTS, CHECKED)  # evidence slots: one per variant when a side is prepared
 
 
+class DequantizeCases:
+    """What the stage needs of a dequantization case: the live input is the absmax (its blocks
+    rotated: valid scales, nearly every block changed), the reference is the first prepared side's
+    bits (the base's, in an A/B session), and an output must equal them bit for bit."""
+
+    name = "dequantize"
+
+    def inputs(self, spec: dict, A, qs, dtype: torch.dtype, device: torch.device) -> tuple:
+        """(activations or None, the live input's variants, the output buffer)."""
+        step = max(1, qs.absmax.numel() // VARIANTS)
+        variants = torch.stack([qs.absmax.roll(v * step + v) for v in range(VARIANTS)])
+        return None, variants, torch.empty(qs.shape, dtype=dtype, device=device)
+
+    def live(self, lent: Lent) -> torch.Tensor:
+        return lent.qs.absmax
+
+    def call(self, lent: Lent, drop_ins) -> Callable[[], torch.Tensor]:
+        A, qs, out, entry = lent.A, lent.qs, lent.out, drop_ins.dequantize_4bit
+        return lambda: entry(A, qs, out=out)
+
+    def references(self, lent: dict) -> list[object] | None:
+        return None  # the first prepared side's outputs
+
+    def agrees(self, output: torch.Tensor, expected: torch.Tensor) -> bool:
+        return torch.equal(bitcompare.int_view(output), bitcompare.int_view(expected))
+
+    def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
+        """bitsandbytes' kernel alone (fp32 scales) and its full ``dequantize_4bit``."""
+        import bitsandbytes.functional as F
+
+        A, qs, calls = lent["A"], lent["qs"], {}
+        if "bnb_kernel" in names:
+            absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if qs.nested else qs.absmax
+            out = torch.empty(qs.shape, dtype=qs.dtype, device=device)
+            calls["bnb_kernel"] = lambda: torch.ops.bitsandbytes.dequantize_4bit.out(
+                A, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype, out=out
+            )
+        if "bnb_full" in names:
+            calls["bnb_full"] = lambda: F.dequantize_4bit(A, qs)
+        return calls
+
+
+class MatmulCases:
+    """What the stage needs of a fused-matmul case: the live input is the activations (seeded
+    variants), the reference each variant's fp64 product for the arithmetic its kernel runs, and an
+    output must lie inside that reference's bound (the summation order is the kernel's)."""
+
+    name = "matmul"
+
+    def inputs(self, spec: dict, A, qs, dtype: torch.dtype, device: torch.device) -> tuple:
+        tokens, K, seed = spec["tokens"], qs.shape[1], spec["seed"]
+        variants = torch.stack([_activations(tokens, K, dtype, seed + 1 + v, device) for v in range(VARIANTS)])
+        return variants[0].clone(), variants, torch.empty(tokens, qs.shape[0], dtype=dtype, device=device)
+
+    def live(self, lent: Lent) -> torch.Tensor:
+        return lent.x
+
+    def call(self, lent: Lent, drop_ins) -> Callable[[], torch.Tensor]:
+        x, B, qs, out, entry = lent.x, lent.A.t(), lent.qs, lent.out, drop_ins.matmul_4bit
+        return lambda: entry(x, B, qs, out=out)
+
+    def references(self, lent: dict) -> list[object]:
+        """Each variant's fp64 reference (bitsandbytes' dequantized weights where the kernel
+        multiplies those), the weights formed once."""
+        import bitsandbytes.functional as F
+
+        W = F.dequantize_4bit(lent["A"], lent["qs"])
+        variants = list(lent["variants"])
+        return matmul_reference.fused_references(variants, lent["A"], lent["qs"], W, None, variants[0].dtype)
+
+    def agrees(self, output: torch.Tensor, expected: object) -> bool:
+        return matmul_reference.judge(output, expected).ok
+
+    def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
+        """bitsandbytes' full ``matmul_4bit`` (its kernel alone has no counterpart here)."""
+        import bitsandbytes
+
+        x, B, qs = lent["x"], lent["A"].t(), lent["qs"]
+        return {"bnb_full": lambda: bitsandbytes.matmul_4bit(x, B, qs)} if "bnb_full" in names else {}
+
+
+def _activations(tokens: int, K: int, dtype: torch.dtype, seed: int, device: torch.device) -> torch.Tensor:
+    g = cases.seeded_generator(seed, device)
+    return torch.randn(tokens, K, generator=g, device=device).to(dtype)
+
+
+# The case kinds by the name a perf case's spec gives (``catalog``): the stage names no op.
+KINDS = {k.name: k for k in (DequantizeCases(), MatmulCases())}
+
+
 @dataclass
 class Lent:
     """What a side's process borrows: the case's buffers, and its own evidence buffer."""
@@ -51,21 +141,15 @@ class Lent:
 
     @property
     def live(self) -> torch.Tensor:
-        return self.x if self.kind == "matmul" else self.qs.absmax
+        return KINDS[self.kind].live(self)
 
     def refresh(self, variant: int) -> None:
         self.live.copy_(self.variants[variant])
 
     def call(self, drop_ins) -> Callable[[], torch.Tensor]:
         """The timed call of the case's drop-in from ``drop_ins`` (a side, or a ``harness``
-        package: its ``dequantize_4bit`` or ``matmul_4bit``), as a user makes it, writing into the
-        lent output buffer."""
-        A, qs, out = self.A, self.qs, self.out
-        if self.kind == "matmul":
-            x, B, entry = self.x, A.t(), drop_ins.matmul_4bit
-            return lambda: entry(x, B, qs, out=out)
-        entry = drop_ins.dequantize_4bit
-        return lambda: entry(A, qs, out=out)
+        package), as a user makes it, writing into the lent output buffer."""
+        return KINDS[self.kind].call(self, drop_ins)
 
 
 def borrow(lent: str) -> Lent:
@@ -94,38 +178,15 @@ class Stage:
     def __init__(self, spec: dict, device: torch.device, flush: torch.Tensor):
         self.spec, self.device = spec, device
         self.kind = spec.get("kind", "dequantize")
+        self.cases = KINDS[self.kind]
         dtype = cases.dtype_of(spec["dtype"])
         A, qs = cases.quantize_weights(
             spec["shape"], spec["quant"], spec["blocksize"], spec["nested"], dtype, spec["seed"], device=device
         )
-        x, variants = None, None
-        if self.kind == "matmul":
-            tokens, K, seed = spec["tokens"], qs.shape[1], spec["seed"]
-            variants = torch.stack([self._activations(tokens, K, dtype, seed + 1 + v) for v in range(VARIANTS)])
-            x = variants[0].clone()
-            out = torch.empty(spec["tokens"], qs.shape[0], dtype=dtype, device=device)
-        else:
-            # The absmax with its blocks rotated: valid scales, and nearly every block's changed.
-            step = max(1, qs.absmax.numel() // VARIANTS)
-            variants = torch.stack([qs.absmax.roll(v * step + v) for v in range(VARIANTS)])
-            out = torch.empty(qs.shape, dtype=dtype, device=device)
+        x, variants, out = self.cases.inputs(spec, A, qs, dtype, device)
         self.lent = {"kind": self.kind, "A": A, "qs": qs, "x": x, "out": out, "variants": variants, "flush": flush}
         self.evidence: dict[str, torch.Tensor] = {}
-        self.expected: list[object] | None = self._references() if self.kind == "matmul" else None
-
-    def _activations(self, tokens: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-        g = cases.seeded_generator(seed, self.device)
-        return torch.randn(tokens, K, generator=g, device=self.device).to(dtype)
-
-    def _references(self) -> list[object]:
-        """The fp64 reference of each variant's matmul for the arithmetic its fused kernel runs
-        (bitsandbytes' dequantized weights where it multiplies those), its weights formed once."""
-        import bitsandbytes.functional as F
-
-        lent = self.lent
-        W = F.dequantize_4bit(lent["A"], lent["qs"])
-        variants = list(lent["variants"])
-        return matmul_reference.fused_references(variants, lent["A"], lent["qs"], W, None, variants[0].dtype)
+        self.expected: list[object] | None = self.cases.references(self.lent)
 
     def lent_to(self, side: str) -> Lent:
         """The case's buffers with a new evidence buffer of ``side``'s own."""
@@ -142,10 +203,7 @@ class Stage:
         return base64.b64encode(buffer.getvalue()).decode()
 
     def _agrees(self, output: torch.Tensor, variant: int) -> bool:
-        if self.kind == "matmul":
-            return matmul_reference.judge(output, self.expected[variant]).ok
-        expected = self.expected[variant]
-        return torch.equal(bitcompare.int_view(output), bitcompare.int_view(expected))
+        return self.cases.agrees(output, self.expected[variant])
 
     def check_prepared(self, side: str) -> bool:
         """After ``side`` was prepared (slot v holds its output for variant v): is every output
@@ -163,27 +221,10 @@ class Stage:
         return all(self._agrees(evidence[slot], plan.variants[i]) for slot, i in enumerate(plan.checked))
 
     def reference_calls(self, names: list[str], copy_bytes: int) -> dict[str, Callable[[], object]]:
-        """Other implementations on this case's inputs, for the report: bitsandbytes' kernel
-        alone (fp32 scales; none for a matmul case), its full ``dequantize_4bit`` (for a matmul
-        case: its ``matmul_4bit``), a device copy of ``copy_bytes`` (read + written)."""
-        import bitsandbytes
-        import bitsandbytes.functional as F
-
-        A, qs, x = self.lent["A"], self.lent["qs"], self.lent["x"]
-        calls: dict[str, Callable[[], object]] = {}
-        if "bnb_kernel" in names and self.kind != "matmul":
-            absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if qs.nested else qs.absmax
-            out = torch.empty(qs.shape, dtype=qs.dtype, device=self.device)
-            calls["bnb_kernel"] = lambda: torch.ops.bitsandbytes.dequantize_4bit.out(
-                A, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype, out=out
-            )
-        if "bnb_full" in names:
-            B = A.t()
-            calls["bnb_full"] = (
-                (lambda: bitsandbytes.matmul_4bit(x, B, qs))
-                if self.kind == "matmul"
-                else (lambda: F.dequantize_4bit(A, qs))
-            )
+        """Other implementations on this case's inputs, for the report: bitsandbytes' (its kernel
+        alone where the op has one, ``bnb_kernel``, and its full call, ``bnb_full``), a device copy
+        of ``copy_bytes`` (read + written)."""
+        calls = self.cases.bitsandbytes_calls(self.lent, names, self.device)
         if "same_size_copy" in names:
             src = torch.empty(copy_bytes // 2, dtype=torch.uint8, device=self.device)
             dst = torch.empty_like(src)
