@@ -42,7 +42,6 @@ class DequantizeCases:
     bits (the base's, in an A/B session), and an output must equal them bit for bit."""
 
     name = "dequantize"
-    own_reference = False  # judged against the base's bits: alone, a side has nothing to agree with
 
     def inputs(self, spec: dict, A, qs, dtype: torch.dtype, device: torch.device) -> tuple:
         """(activations or None, the live input's variants, the output buffer)."""
@@ -85,7 +84,6 @@ class MatmulCases:
     output must lie inside that reference's bound (the summation order is the kernel's)."""
 
     name = "matmul"
-    own_reference = True  # judged against its fp64 bound, with or without a base
 
     def inputs(self, spec: dict, A, qs, dtype: torch.dtype, device: torch.device) -> tuple:
         tokens, K, seed = spec["tokens"], qs.shape[1], spec["seed"]
