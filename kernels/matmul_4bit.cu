@@ -58,11 +58,9 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g, n_hi = n_lo + 8;
-    const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
-    const int rows = (int)min((i64)MM_TOKENS, M - m0);
-    const int steps = (K + STEP_K - 1) / STEP_K;
-    const int first = blockIdx.y * steps_per_split;
-    const int last = min(steps, first + steps_per_split);
+    const BlockWork work = block_work(M, K, steps_per_split);
+    const i64 m0 = work.m0;
+    const int rows = work.rows, steps = work.steps, first = work.first, last = work.last;
 
     float acc[NT8][4];
 #pragma unroll

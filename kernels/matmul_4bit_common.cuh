@@ -121,6 +121,20 @@ __device__ __forceinline__ void cp_async_wait() {
         float offset_value, float *__restrict__ partial, const elem_t *__restrict__ bias, elem_t *__restrict__ out, \
         i64 M, int N, int K, int bs_log2, int bs2_log2, int steps_per_split
 
+// The block's share of a call: its token tile (first row m0, the tile's rows inside M) and its
+// split of K (steps first .. last - 1 of the call's steps, STEP_K k each: the including kernel's).
+struct BlockWork {
+    i64 m0;
+    int rows, steps, first, last;
+};
+
+__device__ __forceinline__ BlockWork block_work(i64 M, int K, int steps_per_split) {
+    const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
+    const int steps = (K + STEP_K - 1) / STEP_K;
+    const int first = blockIdx.y * steps_per_split;
+    return {m0, (int)min((i64)MM_TOKENS, M - m0), steps, first, min(steps, first + steps_per_split)};
+}
+
 // The scale parts of one block, as loaded (every load of a step is issued before any is used):
 // nested, its 8-bit code and its second-level scale; plain, its fp32 absmax.
 struct ScaleParts {

@@ -351,11 +351,9 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     {
         const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
         const int n_lo = first_feature(threadIdx.x), n_hi = n_lo + 8;
-        const i64 m0 = (i64)blockIdx.z * MM_TOKENS;
-        const int steps = (K + STEP_K - 1) / STEP_K;
-        const int first = blockIdx.y * steps_per_split;
-        const int last = min(steps, first + steps_per_split);
-        const int rows = (int)min((i64)MM_TOKENS, M - m0);
+        const BlockWork work = block_work(M, K, steps_per_split);
+        const i64 m0 = work.m0;
+        const int rows = work.rows, first = work.first, last = work.last;
 
         Lane ln;
         ln.g = g;
