@@ -6,11 +6,7 @@
 // Four copies of the weight in turn and a 256 MB memset before each launch keep it out of L2; CUDA
 // events, median of 25. kernels/NOTES.md has the figures.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90 -std=c++17 -o read_pattern read_pattern.cu && ./read_pattern
-#include <cstdio>
-#include <cuda_runtime.h>
-#define N 28672
-#define ROWB 4096  // bytes a row (K = 8192)
-typedef unsigned u32;
+#include "probe.cuh"
 
 // Pattern "kernel": a warp owns 16 rows; lane (g, t) reads 8 bytes of rows g and g+8 at chunk c (32 bytes)
 // offset t*8; a step is 4 chunks (128 bytes a row); DEPTH steps in registers ahead.
@@ -44,29 +40,7 @@ __global__ void __launch_bounds__(128, 4) rows16(const unsigned char* __restrict
                 }
             }
     }
-    pad[threadIdx.x] = acc;
-    __syncthreads();
-    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * 128 + threadIdx.x] = acc ^ pad[threadIdx.x ^ 1] ^ pad[threadIdx.x ^ 1];
-}
-
-// rows16's XOR from plain loads in order: what each lane must have read.
-__global__ void reference(const unsigned char* W, u32* out, int splits) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int steps = ROWB / 128 / splits, first = blockIdx.y * steps;
-    u32 acc = 0;
-    for (int step = 0; step < steps; ++step)
-        for (int c = 0; c < 8; ++c) {
-            const int row = warp * 16 + g + 8 * (c >= 4), k = (first + step) * 128 + (c & 3) * 32 + t * 8;
-            const uint2 v = *(const uint2*)(W + (size_t)row * ROWB + k);
-            acc ^= v.x * 3 + v.y;
-        }
-    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * 128 + threadIdx.x] = acc;
-}
-
-__global__ void fill(unsigned char* W, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        W[i] = (unsigned char)((i * 2654435761u) >> 13);
+    store_lane(pad, out, acc);
 }
 
 // Pattern "contiguous": each warp reads 512 contiguous bytes an instruction (16 a lane), one row after another.
@@ -95,47 +69,29 @@ __global__ void __launch_bounds__(128, 4) contiguous(const unsigned char* __rest
 }
 
 int main() {
-    unsigned char* Ws[4]; unsigned char* W; u32* out; char* flush; int it = 0;
-    for (auto& w : Ws) { cudaMalloc(&w, (size_t)N * ROWB); cudaMemset(w, 1, (size_t)N * ROWB); } W = Ws[0]; cudaMalloc(&out, 64 << 20); cudaMalloc(&flush, 256 << 20);
-    cudaMemset(W, 1, (size_t)N * ROWB);
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    auto time = [&](const char* name, auto launch) {
-        float best[25]; int n = 25;
-        for (int i = 0; i < n; ++i) {
-            cudaMemsetAsync(flush, i, 256 << 20); W = Ws[++it % 4];
-            cudaEventRecord(a); launch(); cudaEventRecord(b); cudaEventSynchronize(b);
-            cudaEventElapsedTime(&best[i], a, b);
-        }
-        for (int i = 0; i < n; ++i) for (int j = i + 1; j < n; ++j) if (best[j] < best[i]) { float x = best[i]; best[i] = best[j]; best[j] = x; }
-        const float us = best[n / 2] * 1e3f;
-        printf("%-28s %8.1f us %7.0f GB/s  err=%s\n", name, us, (double)N * ROWB / us / 1e3, cudaGetErrorString(cudaGetLastError()));
-    };
-    for (int depth : {1, 2}) {  // rows16 against plain loads, 4 splits
-        fill<<<1024, 256>>>(Ws[0], (size_t)N * ROWB);
-        u32 *ref, *got;
-        cudaMalloc(&ref, 64 << 20); cudaMalloc(&got, 64 << 20);
-        dim3 grid(N / 64, 4);
-        reference<<<grid, 128>>>(Ws[0], ref, 4);
-        if (depth == 1) rows16<1, 43><<<grid, 128>>>(Ws[0], got, 4); else rows16<2, 43><<<grid, 128>>>(Ws[0], got, 4);
-        cudaDeviceSynchronize();
-        static u32 h1[N / 64 * 4 * 128], h2[N / 64 * 4 * 128];
-        cudaMemcpy(h1, ref, sizeof(h1), cudaMemcpyDeviceToHost);
-        cudaMemcpy(h2, got, sizeof(h2), cudaMemcpyDeviceToHost);
-        int bad = 0;
-        for (size_t i = 0; i < sizeof(h1) / 4; ++i) bad += h1[i] != h2[i];
-        printf("rows16 depth %d reads vs plain loads, 4 splits: %d lanes differ\n", depth, bad);
-        cudaFree(ref); cudaFree(got);
-    }
+    Weights weights;
+    u32* out;
+    cudaMalloc(&out, 64 << 20);
+    const unsigned char* varied = weights.copy[0];
+    printf("rows16 depth 1 reads vs plain loads, 4 splits: %d lanes differ\n",
+           lanes_differ_4_warps(weights, [&](dim3 grid, u32* o) { rows16<1, 43><<<grid, 128>>>(varied, o, 4); }));
+    printf("rows16 depth 2 reads vs plain loads, 4 splits: %d lanes differ\n",
+           lanes_differ_4_warps(weights, [&](dim3 grid, u32* o) { rows16<2, 43><<<grid, 128>>>(varied, o, 4); }));
     for (int splits : {1, 4, 16}) {
         dim3 grid(N / 64, splits);
         char label[64];
-#define T(NAME, K, D, P) snprintf(label, 64, NAME " d%d pad%d s%d", D, P, splits); time(label, [&] { K<D, P><<<grid, 128>>>(W, out, splits); });
+#define T(NAME, K, D, P)                                                 \
+    snprintf(label, 64, NAME " d%d pad%d s%d", D, P, splits);            \
+    time_reads(label, weights, [&] { K<D, P><<<grid, 128>>>(weights.copy[weights.next], out, splits); });
         T("rows16", rows16, 1, 43) T("rows16", rows16, 2, 43) T("rows16", rows16, 1, 0) T("rows16", rows16, 2, 0)
         T("contig", contiguous, 1, 43) T("contig", contiguous, 2, 43) T("contig", contiguous, 1, 0) T("contig", contiguous, 2, 0)
         T("rows16", rows16, 1, 20) T("rows16", rows16, 2, 20)
     }
     // copy bandwidth for reference (read + write)
-    char* dst; cudaMalloc(&dst, (size_t)N * ROWB);
-    time("memcpy d2d (bytes read)", [&] { cudaMemcpyAsync(dst, W, (size_t)N * ROWB, cudaMemcpyDeviceToDevice); });
+    char* dst;
+    cudaMalloc(&dst, (size_t)N * ROWB);
+    time_reads("memcpy d2d (bytes read)", weights, [&] {
+        cudaMemcpyAsync(dst, weights.copy[weights.next], (size_t)N * ROWB, cudaMemcpyDeviceToDevice);
+    });
     return 0;
 }

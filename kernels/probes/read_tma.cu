@@ -5,23 +5,12 @@
 // its 16-byte pieces XORed with that index mod 8); checked against plain loads first. Timing as in
 // read_pattern.cu.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90 -std=c++17 -DU_BOX=2 -o read_tma read_tma.cu -lcuda && ./read_tma
-#include <cstdio>
 #include <cuda.h>
-#include <cuda_runtime.h>
-#define N 28672
-#define ROWB 4096
+#include "probe.cuh"
 #ifndef U_BOX
 #define U_BOX 2
 #endif
-typedef unsigned u32;
 
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
 __device__ __forceinline__ void tma_load(u32 dst, const CUtensorMap* map, int unit, int row, u32 bar, int bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
@@ -69,82 +58,45 @@ __global__ void __launch_bounds__(WARPS * 32, 1) tma16(const __grid_constant__ C
             tma_load(ring_s + s * SB, &map, (first + step + STAGES) * U, warp * 16, bars + 8 * s, SB);
         }
     }
-    pad[threadIdx.x] = acc;
-    __syncthreads();
-    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * WARPS * 32 + threadIdx.x] = acc ^ pad[threadIdx.x ^ 1] ^ pad[threadIdx.x ^ 1];
-}
-
-// The same XOR from global memory directly: what each lane must have read.
-template <int WARPS>
-__global__ void reference(const unsigned char* W, u32* out, int splits) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wib = threadIdx.x >> 5;
-    const int warp = blockIdx.x * WARPS + wib;
-    const int steps = ROWB / 128 / splits, first = blockIdx.y * steps;
-    u32 acc = 0;
-    for (int step = 0; step < steps; ++step)
-        for (int c = 0; c < 8; ++c) {
-            const int row = warp * 16 + g + 8 * (c >= 4), k = (first + step) * 128 + (c & 3) * 32 + t * 8;
-            const uint2 v = *(const uint2*)(W + (size_t)row * ROWB + k);
-            acc ^= v.x * 3 + v.y;
-        }
-    out[(size_t)(blockIdx.y * gridDim.x + blockIdx.x) * WARPS * 32 + threadIdx.x] = acc;
-}
-
-__global__ void fill(unsigned char* W, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        W[i] = (unsigned char)((i * 2654435761u) >> 13);
+    store_lane(pad, out, acc);
 }
 
 int main() {
-    unsigned char* Ws[4]; u32* out; char* flush; int it = 0;
-    for (auto& w : Ws) { cudaMalloc(&w, (size_t)N * ROWB); cudaMemset(w, 1, (size_t)N * ROWB); }
-    cudaMalloc(&out, 64 << 20); cudaMalloc(&flush, 256 << 20);
+    Weights weights;
+    u32* out;
+    cudaMalloc(&out, 64 << 20);
     CUtensorMap maps[4];
     for (int i = 0; i < 4; ++i) {
         cuuint64_t dims[3] = {128, ROWB / 128, N}, strides[2] = {128, ROWB};
         cuuint32_t box[3] = {128, (cuuint32_t)U_BOX, 16}, estr[3] = {1, 1, 1};
-        CUresult r = cuTensorMapEncodeTiled(&maps[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, Ws[i], dims, strides, box, estr,
-                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+        CUresult r = cuTensorMapEncodeTiled(&maps[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, weights.copy[i], dims, strides,
+                                            box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-        if (r) { printf("encode failed %d\n", r); return 1; }
-    }
-    CUtensorMap* map = &maps[0];
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    auto time = [&](const char* name, auto launch) {
-        float v[25]; int n = 25;
-        for (int i = 0; i < n; ++i) {
-            cudaMemsetAsync(flush, i, 256 << 20); map = &maps[++it % 4];
-            cudaEventRecord(a); launch(); cudaEventRecord(b); cudaEventSynchronize(b);
-            cudaEventElapsedTime(&v[i], a, b);
+        if (r) {
+            printf("encode failed %d\n", r);
+            return 1;
         }
-        for (int i = 0; i < n; ++i) for (int j = i + 1; j < n; ++j) if (v[j] < v[i]) { float x = v[i]; v[i] = v[j]; v[j] = x; }
-        const float us = v[n / 2] * 1e3f;
-        printf("%-36s %8.1f us %7.0f GB/s  err=%s\n", name, us, (double)N * ROWB / us / 1e3, cudaGetErrorString(cudaGetLastError()));
-    };
+    }
     {  // the swizzled reads against direct ones, on varied bytes
-        fill<<<1024, 256>>>(Ws[0], (size_t)N * ROWB);
-        u32 *ref, *got; cudaMalloc(&ref, 64 << 20); cudaMalloc(&got, 64 << 20);
         const int dyn = 8 * 2 * 2048 * U_BOX + 8 * 2 * 8 + 1024;
         cudaFuncSetAttribute(tma16<8, 2, 16, U_BOX>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
-        dim3 grid(N / 128, 2);
-        reference<8><<<grid, 256>>>(Ws[0], ref, 2);
-        tma16<8, 2, 16, U_BOX><<<grid, 256, dyn>>>(maps[0], got, 2);
-        cudaDeviceSynchronize();
-        static u32 h1[N / 128 * 2 * 256], h2[N / 128 * 2 * 256];
-        cudaMemcpy(h1, ref, sizeof(h1), cudaMemcpyDeviceToHost); cudaMemcpy(h2, got, sizeof(h2), cudaMemcpyDeviceToHost);
-        int bad = 0; for (size_t i = 0; i < sizeof(h1) / 4; ++i) bad += h1[i] != h2[i];
-        printf("swizzled reads vs direct: %d of %zu lanes differ (%s)\n", bad, sizeof(h1) / 4, cudaGetErrorString(cudaGetLastError()));
+        const dim3 checked(N / 128, 2);
+        const size_t lanes = (size_t)checked.x * checked.y * 256;
+        const int bad = lanes_differ(
+            lanes, [&](u32* o) { reference<8><<<checked, 256>>>(weights.copy[0], o, 2); },
+            [&](u32* o) { tma16<8, 2, 16, U_BOX><<<checked, 256, dyn>>>(maps[0], o, 2); });
+        printf("swizzled reads vs direct: %d of %zu lanes differ (%s)\n", bad, lanes, cudaGetErrorString(cudaGetLastError()));
     }
     char label[64];
-#define T(W, S, P)                                                                                 \
-    for (int splits : {1, 2, 4}) {                                                                 \
-        const int dyn = W * S * 2048 * U_BOX + W * S * 8 + 1024;                                   \
-        cudaFuncSetAttribute(tma16<W, S, P, U_BOX>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);    \
-        int blocks = 0;                                                                            \
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tma16<W, S, P, U_BOX>, W * 32, dyn);       \
-        snprintf(label, 64, "tma U%d w%d st%d pad%d s%d b/SM %d", U_BOX, W, S, P, splits, blocks);           \
-        dim3 grid(N / (16 * W), splits);                                                           \
-        time(label, [&] { tma16<W, S, P, U_BOX><<<grid, W * 32, dyn>>>(*map, out, splits); });           \
+#define T(W, S, P)                                                                                         \
+    for (int splits : {1, 2, 4}) {                                                                         \
+        const int dyn = W * S * 2048 * U_BOX + W * S * 8 + 1024;                                           \
+        cudaFuncSetAttribute(tma16<W, S, P, U_BOX>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);     \
+        int blocks = 0;                                                                                    \
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tma16<W, S, P, U_BOX>, W * 32, dyn);        \
+        snprintf(label, 64, "tma U%d w%d st%d pad%d s%d b/SM %d", U_BOX, W, S, P, splits, blocks);         \
+        dim3 grid(N / (16 * W), splits);                                                                   \
+        time_reads(label, weights, [&] { tma16<W, S, P, U_BOX><<<grid, W * 32, dyn>>>(maps[weights.next], out, splits); }); \
     }
     T(4, 1, 43) T(4, 2, 27) T(8, 2, 43) T(8, 1, 43) T(4, 3, 24)
     return 0;
