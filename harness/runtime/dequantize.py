@@ -172,20 +172,17 @@ def launch_of(call: Call, out: torch.Tensor, tiling: tuple[int, int] | None = No
     """The launch the Python path makes for a checked call into ``out`` (``dequantize_packed``
     launches exactly this; the compiled path's ``describe`` answers the same): ((quant type, output
     dtype, nested, tiling, device index), grid, threads per block, KernelArgs)."""
-    tiling = tiling or dequantize_kernel.tiling_for(call.n)
-    g = dequantize_kernel.geometry(call.quant_type, call.out_name, call.nested, tiling)
-    grid, args = dequantize_kernel.kernel_args(g, _pointers(call), out.data_ptr(), call.n, *_block_sizes(call))
-    return (call.quant_type, call.out_name, call.nested, tiling, call.device.index), grid, g.threads, args
+    quant_type, out_name, nested, _device, _shape, _dtype, n, blocksize, blocksize2, *_ = call
+    tiling = tiling or dequantize_kernel.tiling_for(n)
+    g = dequantize_kernel.geometry(quant_type, out_name, nested, tiling)
+    grid, args = dequantize_kernel.kernel_args(g, _pointers(call), out.data_ptr(), n, blocksize, blocksize2)
+    return (quant_type, out_name, nested, tiling, call.device.index), grid, g.threads, args
 
 
 def _pointers(call: Call) -> tuple[int, int, int, int, int, float]:
     absmax, code2, absmax2, offset, offset_value = call.scales
     ptr = [t.data_ptr() if t is not None else 0 for t in (call.A, absmax, code2, absmax2, offset)]
     return (*ptr, offset_value)
-
-
-def _block_sizes(call: Call) -> tuple[int, int]:
-    return call.blocksize, call.blocksize2
 
 
 def dequantize_packed(
@@ -206,7 +203,9 @@ def dequantize_packed(
     the fp32 block scales or, with ``code2`` given, their 8-bit codes decoded in the same launch
     as ``code2[absmax] * absmax2[block // blocksize2] + offset``. Returns ``out`` (allocated when
     None) shaped ``shape``; never transposes."""
-    host = host_path.dequantize if host_path.dequantize is not None else host_path.bind_dequantize()
+    host = host_path.dequantize
+    if host is None:
+        host = host_path.bind_dequantize()
     if host:
         result = host(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
         if result is not None:

@@ -10,6 +10,7 @@ launch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -170,6 +171,7 @@ class Geometry:
         return max(1, min(-(-n // self.threads), MAX_GRID)), 0
 
 
+@functools.cache  # every Python-path call asks (launch_of): a few keys, each built once
 def geometry(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int, int]) -> Geometry:
     variant = KernelVariant(quant_type, out_dtype, nested, *tiling)
     chunk = variant.chunk_elems
@@ -215,5 +217,5 @@ def launch(key: tuple[str, str, bool, tuple[int, int], int], grid: int, threads:
     """Enqueue one launch on the current stream of its GPU: ``key`` is (quant type, output dtype,
     nested, tiling, device index), the rest as ``kernel_args`` forms them for that tiling's geometry;
     the inputs are valid (the caller checked them)."""
-    p = plan_tiled(*key)
+    p = _plans.get(key) or plan_tiled(*key)  # the key is plan_tiled's own
     launcher.on_gpu(key[4], lambda stream: launcher.launch(p.kernel, grid, threads, stream, args))
