@@ -1,4 +1,4 @@
-// Fused 4-bit matmul for up to 8 tokens (decode): out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
+// Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8): out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
 // W in the bitsandbytes packed format (kernels/dequantize_4bit.cu states it) decoded in registers,
 // never written out. More tokens run matmul_4bit.cu (matmul_4bit_sm90.cu on Hopper);
 // matmul_4bit_common.cuh holds the macros, the host contract and the arithmetic they share.
@@ -27,10 +27,10 @@
 #define STEP_K 256  // k one warp covers per step: 64 per lane
 #include "matmul_4bit_common.cuh"
 
-#if MM_TOKENS != 8
-#error "matmul_4bit_m8.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
+#if MM_TOKENS != 8 && MM_TOKENS != 16
+#error "matmul_4bit_m8.cu takes MM_TOKENS 8 or 16 (more: the wide-tile kernels)"
 #endif
-// 128 registers a thread: 4 blocks an SM.
+// 128 registers a thread (126-128 at 16 tokens, no spills): 4 blocks an SM.
 #define MIN_BLOCKS 4
 
 // Every prmt selector here has its nibbles' top bit clear, so no byte is sign-replicated.

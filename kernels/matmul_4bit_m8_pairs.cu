@@ -1,4 +1,5 @@
-// Fused 4-bit matmul for up to 8 tokens (decode) of a weight with nested scales: out[m, n] =
+// Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8) of a weight with
+// nested scales: out[m, n] =
 // sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed format (kernels/dequantize_4bit.cu
 // states it), never written out. Plain scales run matmul_4bit_m8.cu (this arithmetic measured less
 // accurate than bitsandbytes' there: kernels/NOTES.md); more tokens matmul_4bit.cu
@@ -24,7 +25,7 @@
 // table per scale block; this costs 1.25 per weight (2.71 a weight in all, 4.58 before: NOTES).
 //
 // Layout: mma.sync.m16n8k16, weights as operand A (16 features x 16 k), activations as operand B
-// (16 k x 8 tokens). One warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and
+// (16 k x 8 tokens; at 16 tokens each decoded fragment feeds the mmas of both token tiles). One warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and
 // g + 8. A chunk (CHUNK_K k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the
 // chunk's k t * CHUNK_K / 4 .. + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and
 // mma j takes its codes 4j .. 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j
@@ -32,15 +33,16 @@
 #define STEP_K 256  // k one warp covers per step
 #include "matmul_4bit_common.cuh"
 
-#if MM_TOKENS != 8
-#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8 (more: the wide-tile kernels)"
+#if MM_TOKENS != 8 && MM_TOKENS != 16 && MM_TOKENS != 32
+#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8, 16 or 32"
 #endif
-// 128 registers a thread: 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost 25-35%:
-// kernels/NOTES.md).
-#define MIN_BLOCKS 4
+// 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
+// 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower). NOTES.
+#define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : 3)
 
 #define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
 #define PAIR_ROW_WORDS 64  // 32 copies of each
+#define PAIR_TABLE_BYTES (PAIR_ROWS * PAIR_ROW_WORDS * 4)
 
 // Entry e: code[e >> 4] (the byte's high nibble, the lower k) in the low half, code[e & 15] in the
 // high half, each rounded to nearest in A's dtype.
@@ -186,7 +188,7 @@ static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % AC
 // rows' first k on (rows past M: none). Its slot and k are formed again each step: registers held
 // through the main loop are the scarce ones.
 struct ActSource {
-    int from;  // the first row's piece, elements from A (this kernel's M is at most 8 rows: no overflow)
+    int from;  // the first row's piece, elements from A (this kernel's M is at most 32 rows: no overflow)
     int rows;  // of the thread's rows, those inside M; each next one ACT_ROW_STRIDE * K elements on
 };
 
@@ -242,28 +244,33 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
         // The chunk's scales, from the lane of this feature pair that loaded them.
         const float sc_lo = __shfl_sync(0xffffffffu, s_lo[c / 4], quad | (c % 4));
         const float sc_hi = __shfl_sync(0xffffffffu, s_hi[c / 4], quad | (c % 4));
-        uint4 act[S::words];
+        float part[NT8][4];
 #pragma unroll
-        for (int h = 0; h < S::words; ++h)
-            act[h] = tile[act_slot<kChunk>(ln.g, (c * kChunk + ln.t * S::run) / 8 + h)];
-        float part[4];
+        for (int v = 0; v < S::words; ++v) {  // word v of the run: mmas 2v and 2v + 1 of each token tile
+            uint4 act[NT8];  // piece v of the run in each token tile's row g
 #pragma unroll
-        for (int v = 0; v < S::words; ++v) {  // word v of the run: mmas 2v and 2v + 1
+            for (int i = 0; i < NT8; ++i) act[i] = tile[act_slot<kChunk>(ln.g + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
             const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
             const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
             const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};
             const u32 a1[4] = {lookup<2>(table, lo), lookup<2>(table, hi), lookup<3>(table, lo), lookup<3>(table, hi)};
-            if (v == 0)
-                mma_zero(part, a0, act[v].x, act[v].y);
-            else
-                mma(part, a0, act[v].x, act[v].y);
-            mma(part, a1, act[v].z, act[v].w);
+#pragma unroll
+            for (int i = 0; i < NT8; ++i) {
+                if (v == 0)
+                    mma_zero(part[i], a0, act[i].x, act[i].y);
+                else
+                    mma(part[i], a0, act[i].x, act[i].y);
+                mma(part[i], a1, act[i].z, act[i].w);
+            }
         }
         if (!kTail && more) load_chunk<kChunk, kNextInside>(w, c, step + 1, ln, K);
-        acc[0][0] = __fmaf_rn(sc_lo, part[0], acc[0][0]);
-        acc[0][1] = __fmaf_rn(sc_lo, part[1], acc[0][1]);
-        acc[0][2] = __fmaf_rn(sc_hi, part[2], acc[0][2]);
-        acc[0][3] = __fmaf_rn(sc_hi, part[3], acc[0][3]);
+#pragma unroll
+        for (int i = 0; i < NT8; ++i) {
+            acc[i][0] = __fmaf_rn(sc_lo, part[i][0], acc[i][0]);
+            acc[i][1] = __fmaf_rn(sc_lo, part[i][1], acc[i][1]);
+            acc[i][2] = __fmaf_rn(sc_hi, part[i][2], acc[i][2]);
+            acc[i][3] = __fmaf_rn(sc_hi, part[i][3], acc[i][3]);
+        }
     }
 }
 
@@ -341,8 +348,14 @@ __device__ __forceinline__ int first_feature(unsigned tid) {
 // written by exactly one lane) and matmul_4bit_finish adds the slices in split order: the same
 // bits on every run, whatever order the blocks ran in.
 extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
+#if MM_TOKENS == 8
     __shared__ __align__(16) u32 s_pairs[PAIR_ROWS * PAIR_ROW_WORDS];
     __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
+#else  // past the 48 KB of static shared memory: the launch passes PAIR_TABLE_BYTES + the stages
+    extern __shared__ __align__(16) unsigned char s_dynamic[];
+    u32* s_pairs = reinterpret_cast<u32*>(s_dynamic);
+    auto& s_act = *reinterpret_cast<uint4(*)[ACT_STAGES][ACT_TILE_SLOTS]>(s_dynamic + PAIR_TABLE_BYTES);
+#endif
     MM_SCALES_PROLOGUE;
 
     float acc[NT8][4];
@@ -374,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
         }
     }
     // The epilogue's indices formed again, not held in registers through the main loop.
-    static_assert(sizeof(s_pairs) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the table");
+    static_assert(PAIR_TABLE_BYTES >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the table");
     const unsigned tid = fresh_tid();
     store_tile(acc, first_feature(tid), (i64)blockIdx.z * MM_TOKENS, tid & 3, M, N, partial, bias, out,
                reinterpret_cast<float*>(s_pairs));

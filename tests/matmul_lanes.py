@@ -265,7 +265,7 @@ def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
     return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
 
 
-_M8P_PIECE = _source_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g, ([^\]]+)\)\]", "c, kChunk, t, S, h")
+_M8P_PIECE = _source_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g \+ 8 \* i, ([^\]]+)\)\]", "c, kChunk, t, S, v")
 
 
 class _Shape:

@@ -231,13 +231,30 @@ def matmul_entry(module, entry, request):
 
     def plan_only(dtype, quant, nested, tokens, device):
         tile = matmul_kernel.TOKEN_TILES[tokens]
-        threads = matmul_kernel.threads(tile)
-        return (0, 0, 0, threads, matmul_kernel.FINISH_THREADS, BLOCKS_PER_SM, SMS, _clusters(tile, request.param))
+        shared = _variant(dtype, quant, nested, tokens).dynamic_shared_bytes("sm_90")
+        clusters = _clusters(tile, request.param)
+        return (
+            0,
+            0,
+            0,
+            matmul_kernel.threads(tile),
+            shared,
+            matmul_kernel.FINISH_THREADS,
+            BLOCKS_PER_SM,
+            SMS,
+            clusters,
+        )
 
     compiled = host_launcher.configure_matmul(
         module, entry, plan_only, crossover=lambda device: CROSSOVER, launch_kernel_ex=1
     )
     return compiled, request.param
+
+
+def _variant(dtype: int, quant: int, nested: int, tokens: int) -> matmul_kernel.MatmulVariant:
+    """The variant of the compiled path's plan key (indices into the variants' tables)."""
+    mk = matmul_kernel
+    return mk.MatmulVariant(mk.DTYPES[dtype], mk.QUANT_TYPES[quant], bool(nested), mk.TOKEN_TILES[tokens])
 
 
 def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
@@ -257,7 +274,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
     N, K = call["shape"]
     if out is not None and not matmul.writes_directly(out, A, N):
         return None
-    M, main_slots = A.numel() // K, compiled[3] if compiled else (0,) * 16
+    M, main_slots = A.numel() // K, compiled[4] if compiled else (0,) * 16
     tokens = matmul_kernel.token_tile(M)
     grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS, _clusters(tokens, max_clusters))
     target = out if out is not None else _AtAddress(main_slots[9])
@@ -275,9 +292,10 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         -1,  # a host tensor's device index, as PyTorch's C++ gives it
     )
     threads = (matmul_kernel.threads(tokens), matmul_kernel.FINISH_THREADS)
+    shared = _variant(*key[:4]).dynamic_shared_bytes("sm_90")
     finish_blocks = grid.finish_blocks(M, N) if grid.finished else 0
     cluster = matmul_kernel.cluster_of(grid)
-    return key, grid.blocks, threads[0], packed[0], cluster, finish_blocks, threads[1], packed[1]
+    return key, grid.blocks, threads[0], shared, packed[0], cluster, finish_blocks, threads[1], packed[1]
 
 
 @pytest.mark.parametrize("name", list(MATMUL))
@@ -292,10 +310,13 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
     launches = {name: describe(entry, *call_battery.matmul_positional(c)) for name, c in MATMUL.items()}
     taken = [launch for launch in launches.values() if launch is not None]
     assert {key[3] for key, *_ in taken} == set(range(len(matmul_kernel.TOKEN_TILES)))
+    assert any(shared > 0 for _key, _grid, _threads, shared, *_ in taken), "no kernel with dynamic shared memory"
     assert {grid[1] > 1 for _key, grid, *_ in taken} == {True, False}
     # A split call runs its splits as clusters (no finish) or the finish adds them: on a GPU with
     # clusters the battery has both, without only the finish.
-    split = {(cluster > 1, finish > 0) for _key, grid, _threads, _slots, cluster, finish, *_ in taken if grid[1] > 1}
+    split = {
+        (cluster > 1, finish > 0) for _key, grid, _threads, _shared, _slots, cluster, finish, *_ in taken if grid[1] > 1
+    }
     assert split == ({(True, False), (False, True)} if max_clusters else {(False, True)})
     assert {key[:3] for key, *_ in taken} >= {(d, q, n) for d in (0, 1) for q in (0, 1) for n in (0, 1)}
     declined = {name for name, launch in launches.items() if launch is None}

@@ -100,9 +100,14 @@ RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid
 # What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the rules'
 # grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded up: a
 # rule change that picks slower grids on a GPU it was measured on fails here, without a GPU. The H100
-# sweep's 8-token cases time the pair-table kernel (nested weights), which the rules were not fit to:
-# 1.067 there, 1.025 on the H200 sweep of the register-table kernel (kernels/NOTES.md).
-RECORDED_BOUNDS = {"8-token": (1.068, 1.23), "wide": (1.035, 1.53)}
+# sweep's 8-token cases time the pair-table kernel (nested weights), which the rules were not fit
+# to: 1.067 there, 1.025 on the H200 sweep of the register-table kernel; the H100's 16-row cases the
+# 16-token pair-table kernel, 1.031 (the waves rule was fit to them); the wide tiles' 1.033 on the
+# H100 and 1.035 on the H200 (kernels/NOTES.md).
+RECORDED_BOUNDS = {"8-token": (1.068, 1.23), "wider": (1.035, 1.53)}
+# Cases a sweep holds: 30 weights at 1, 8, 16, 64 and 128 rows; the H200's 16-row cases timed the
+# wide kernel, which no longer runs there, and were dropped (the file says so).
+RECORDED_CASES = {"grid-sweep-nvidia-h100-80gb-hbm3.json": 150, "grid-sweep-nvidia-h200.json": 120}
 
 
 def test_sweeps_are_recorded_for_the_gpus_the_rules_were_fit_on():
@@ -115,12 +120,12 @@ def test_the_rules_pick_grids_near_the_fastest_on_each_recorded_sweep(path):
     (``nox -s grid-sweep -- --weights all``), judged with this checkout's rules."""
     recorded = json.loads(path.read_text())
     rows = [grid_sweep.case_row(case, grid_sweep.TOLERANCE) for case in recorded["cases"]]
-    assert len(rows) == 150 and all(row["all in bound"] for row in rows)
+    assert len(rows) == RECORDED_CASES[path.name] and all(row["all in bound"] for row in rows)
     for kind, (geomean, worst) in RECORDED_BOUNDS.items():
         ratios = [
             row["rules ÷ fastest"]
             for row, case in zip(rows, recorded["cases"], strict=True)
-            if (case["tokens"] == mk.M8_TOKENS) == (kind == "8-token")
+            if (case["tokens"] == 8) == (kind == "8-token")
         ]
         assert math.exp(sum(map(math.log, ratios)) / len(ratios)) <= geomean, kind
         assert max(ratios) <= worst, kind

@@ -63,8 +63,12 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     assert 4 * splits * M * N <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1
     assert g.steps_per_split >= matmul_kernel.min_split_steps(tokens) or splits == 1
     blocks = groups * splits * tiles
-    if matmul_kernel.token_tile(M) != matmul_kernel.M8_TOKENS:  # wide tiles: one wave, never a nearly empty second
+    if tokens not in matmul_kernel.DECODE_TILES:  # wide tiles: one wave, never a nearly empty second
         assert splits == 1 or blocks <= per_sm * sms
+        return
+    if per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:  # the waves rule: no split count costs it less
+        costs = [matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, ())[0][0] for s in range(1, splits + 1)]
+        assert matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, ())[0][0] <= min(costs)
         return
     busiest = matmul_kernel.busiest_sm_steps(blocks, g.steps_per_split, sms)
     assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)  # never worse than unsplit
@@ -115,10 +119,10 @@ def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, s
 def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N, K, splits, clustered):
     """At one and at 8 rows, on a Hopper GPU's clusters at once (measured on an H100, kernels/NOTES.md)."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
-        assert not matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS).clustered
+        assert not matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS).clustered
 
 
 @pytest.mark.parametrize(
@@ -161,16 +165,55 @@ def test_more_splits_run_as_a_cluster_where_the_grid_holds_at_most_6_blocks_an_s
     clusters on an H100 (kernels/NOTES.md, and the grid sweep of the shapes catalog); with more
     blocks or longer splits, and where a pair pays, they do not become clusters."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
         assert (g.splits, g.steps_per_split, g.clustered) == (splits, steps, True)
         assert g.blocks[0] * splits <= matmul_kernel.LARGE_CLUSTER_BLOCKS_PER_SM * hopper.SMS
         portable = hopper.M8_CLUSTERS[: matmul_kernel.PORTABLE_CLUSTER_BLOCKS + 1]  # without the driver's leave
-        g8 = matmul_kernel.grid_for(M, N, K, matmul_kernel.M8_TOKENS, hopper.M8_PER_SM, hopper.SMS, portable)
+        g8 = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, portable)
         assert g8.splits == splits and g8.clustered == (splits <= matmul_kernel.PORTABLE_CLUSTER_BLOCKS)
     # 256 blocks with splits of 7 steps; 1600 blocks (12 an SM) of 5 steps.
     for N, K, splits in ((1024, 28672, 16), (25600, 5120, 4)):
         g = matmul_kernel.grid_for(1, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
         assert (g.splits, g.clustered) == (splits, False), (N, K)
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "pairs", "plain"),
+    [
+        # gate: 2 clustered splits either way (pair-table 81.8 µs; one unsplit wave and an eighth 104)
+        (28672, 8192, (2, 16, True), (2, 16, True)),
+        # down: 3 finished splits of 38 steps for the pair-table kernel (78.6 µs; 4 of 28: 94.3)
+        (8192, 28672, (3, 38, False), (4, 28, False)),
+    ],
+)
+def test_at_16_rows_the_grid_follows_the_waves_with_3_blocks_an_sm_and_the_busiest_sm_with_4(N, K, pairs, plain):
+    """The 16-token pair-table kernel (3 blocks an SM) against the register-table one (4), on their
+    Hopper plans (measured on an H100, kernels/NOTES.md)."""
+    g = matmul_kernel.grid_for(16, N, K, 16, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS)
+    assert (g.splits, g.steps_per_split, g.clustered) == pairs
+    g = matmul_kernel.grid_for(16, N, K, 16, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+    assert (g.splits, g.steps_per_split, g.clustered) == plain
+
+
+@pytest.mark.gpu
+def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(cuda):
+    """tests/hopper_plans.py holds the grid tests' plans: on an H100 or H200 the live plans match (on
+    a GPU without clusters, no plan has any)."""
+    hopper_gpu = launcher.device_arch(cuda.index) == "sm_90"
+    if not hopper_gpu or torch.cuda.get_device_properties(cuda).multi_processor_count != hopper.SMS:
+        for tokens, nested in itertools.product(matmul_kernel.TOKEN_TILES, (False, True)):
+            plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens), cuda.index)
+            assert hopper_gpu or plan.max_clusters == (), (tokens, nested)
+        return
+    expected = {
+        (8, True): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
+        (16, False): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
+        (16, True): (hopper.PAIRS16_PER_SM, hopper.PAIRS16_CLUSTERS),
+        (64, True): (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
+    }
+    for (tokens, nested), (per_sm, clusters) in expected.items():
+        plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens), cuda.index)
+        assert (plan.blocks_per_sm, plan.sms, plan.max_clusters) == (per_sm, hopper.SMS, clusters), (tokens, nested)
 
 
 @pytest.mark.gpu
@@ -181,7 +224,7 @@ def test_a_plan_made_on_a_thread_without_a_cuda_context_leaves_it_without_one(cu
 
     from cuda.bindings import driver
 
-    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.M8_TOKENS)
+    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, 8)
     seen: dict = {}
 
     def plan_on_a_new_thread():
@@ -205,15 +248,17 @@ def test_a_plan_made_on_a_thread_without_a_cuda_context_leaves_it_without_one(cu
 
 
 def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
-    """The 8-token kernel adds up to 16 splits in a cluster from sm_90 on, the Hopper kernel at 64
-    tokens pairs; the others never (the compile spec tells the kernel, MM_CLUSTER_SPLITS)."""
+    """The decode kernels (8 and 16 tokens, plain and nested scales) add up to 16 splits in a cluster
+    from sm_90 on, the Hopper kernel at 64 tokens pairs; the others never (the compile spec tells the
+    kernel, MM_CLUSTER_SPLITS)."""
     from harness.runtime import jit
 
-    sizes = {
-        (tokens, arch): matmul_kernel.MatmulVariant("fp16", "fp4", False, tokens).cluster_splits(arch)
-        for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
-    }
-    assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 16, (64, "sm_90"): 2}
+    for nested in (False, True):
+        sizes = {
+            (tokens, arch): matmul_kernel.MatmulVariant("fp16", "fp4", nested, tokens).cluster_splits(arch)
+            for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
+        }
+        assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 16, (16, "sm_90"): 16, (64, "sm_90"): 2}
 
 
 def test_a_kernel_asked_for_clusters_below_sm_90_does_not_compile():
@@ -238,8 +283,8 @@ def test_the_grid_steps_k_as_each_kernel_source_does():
 
     from harness.runtime import jit
 
-    for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS):
-        source, _ = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).build(arch)
+    for tokens, arch, nested in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS, (False, True)):
+        source, _ = matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens).build(arch)
         defined = re.search(r"^#define STEP_K (\d+)", (jit.kernels_dir() / source).read_text(), re.MULTILINE)
         assert defined and int(defined.group(1)) == matmul_kernel.step_k(tokens), source
 
@@ -454,14 +499,14 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)
     # The driver took the 8-token kernel's leave to run clusters past the portable size.
     assert not sizes or plan.max_clusters[sizes] > 0, plan.max_clusters
-    wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 16), cuda.index)
-    assert wide.max_clusters == () and not wide.grid(16, N, K, 16).clustered
+    wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 32), cuda.index)
+    assert wide.max_clusters == () and not wide.grid(32, N, K, 32).clustered
     grid = plan.grid(M, N, K, tokens)
     assert grid.splits > 1, "the case must split K"
     if not sizes:
         assert grid.finished, "a split K without the cluster epilogue is the finish's"
         return
-    if tokens != matmul_kernel.M8_TOKENS:  # this small weight's grid is 5 finished splits: take a pair
+    if tokens not in matmul_kernel.DECODE_TILES:  # this small weight's grid is 5 finished splits: take a pair
         steps = matmul_kernel.steps_of(K, tokens)
         grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)

@@ -98,7 +98,7 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
         tokens = matmul_kernel.token_tile(M)
         grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms)
         partial_step = K % matmul_kernel.step_k(tokens) != 0
-        m8 = tokens == matmul_kernel.M8_TOKENS  # else a wide tile (matmul_4bit.cu, or matmul_4bit_sm90.cu on Hopper)
+        m8 = tokens in matmul_kernel.DECODE_TILES  # else a wide tile (matmul_4bit.cu, or matmul_4bit_sm90.cu on Hopper)
         seen.add(("m8" if m8 else "wide", grid.splits > 1, partial_step))
         if m8:
             seen.add(("one table per 64 k" if K % 64 == 0 else "a table per 32-k half", partial_step))
@@ -109,9 +109,9 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
 def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish():
     """On Hopper the split cases of both kernels with the cluster epilogue (8 and 64 tokens) add
     their splits inside a cluster (the 8-token one also in a cluster past the portable size and
-    in one of an odd size) and
-    the 16-token one's through the finish, so the sanitizer sees both ways of adding them (the
-    clusters at once and blocks an SM an H100 and an H200 report)."""
+    in one of an odd size) and the 32-token one's (no cluster epilogue) through the finish, so the
+    sanitizer sees both ways of adding them (the clusters at once and blocks an SM an H100 and an
+    H200 report)."""
     plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
     ways = set()
     for M, N, K in sanitize.MATMUL_SHAPES:
@@ -123,5 +123,5 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
             ways.add((tokens, "cluster past the portable size"))
         if grid.clustered and grid.splits % 2:
             ways.add((tokens, "cluster of an odd size"))
-    assert {(8, "cluster"), (64, "cluster"), (16, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways
+    assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways
     assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways

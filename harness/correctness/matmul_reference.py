@@ -194,7 +194,7 @@ def reference_weights(
 # judges (a candidate's kernels are imported from its tree): nested weights at up to this many rows
 # take scaled sums. tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic``
 # to it, so a change of arithmetic lands in the judge first.
-SCALED_SUMS_ROWS = 8
+SCALED_SUMS_ROWS = 16
 
 
 def arithmetic_of(rows: int, nested: bool) -> str:

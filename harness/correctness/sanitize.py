@@ -46,11 +46,13 @@ KERNEL_FILTER = "_4bit_"
 # Fused matmul cases (M, N, K), both kernels split and unsplit: the 8-token kernel with K in two
 # splits ending in a partial step (one table per 64 k), and unsplit over one partial step (K % 64
 # == 32: a table per 32-k half), and in 16 splits (on Hopper one cluster, past the portable size)
-# and in 7 splits of 3 steps (on Hopper a cluster of an odd size); the wider kernel split in two,
-# and unsplit over two token tiles. The split rules decide these splits on any GPU that holds three
-# blocks (tests/test_sanitize.py).
+# and in 7 splits of 3 steps (on Hopper a cluster of an odd size); the 16-token one unsplit over 4
+# steps; the wide kernel at 32 tokens split in two (no cluster epilogue: the finish adds them on any
+# GPU), at 64 split in two and unsplit over two token tiles. The split rules decide these splits on
+# any GPU that holds three blocks (tests/test_sanitize.py).
 MATMUL_SHAPES = (
-    (3, 40, 1856), (3, 40, 224), (5, 40, 16384), (5, 40, 5376), (9, 40, 1024), (40, 40, 1024), (70, 40, 256),
+    (3, 40, 1856), (3, 40, 224), (5, 40, 16384), (5, 40, 5376), (9, 40, 1024), (20, 40, 1024), (40, 40, 1024),
+    (70, 40, 256),
 )  # fmt: skip
 # Tools that check our kernel only; initcheck must instrument every kernel (module docstring).
 FILTERED = ("memcheck", "racecheck", "synccheck")

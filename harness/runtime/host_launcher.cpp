@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -464,6 +465,7 @@ struct MatmulPlan {
   void* finish = nullptr;
   void* context = nullptr;
   int64_t main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
+  unsigned main_shared = 0;  // dynamic shared memory bytes of each main launch
   PyObject* max_clusters = nullptr;  // handed back to grid_of as it came (matmul_kernel.Plan.max_clusters)
 
   ~MatmulPlan() { Py_XDECREF(max_clusters); }
@@ -480,8 +482,8 @@ struct MatmulConfig {
   PyObject* dequantize = nullptr;  // the dequantization entry point: owns the Config reused here
   Config* config = nullptr;
   PyObject* resolve_plan = nullptr;  // (dtype, quant, nested, tokens, device) -> (main, finish, context,
-                                     //  main threads, finish threads, blocks per SM, SMs, max clusters);
-                                     //  indices but device
+                                     //  main threads, main shared bytes, finish threads, blocks per SM,
+                                     //  SMs, max clusters); indices but device
   PyObject* grid_of = nullptr;       // (M, N, K, tokens, blocks per SM, SMs, max clusters) -> (gx, gy, gz,
                                      //  steps per split, finish blocks (0: none), cluster blocks along y)
   LaunchKernelExFn launch_ex = nullptr;  // cuLaunchKernelEx: the main launch of a cluster grid
@@ -522,16 +524,17 @@ const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int ne
                                       static_cast<long long>(device));
   if (r == nullptr) throw python_error();
   unsigned long long main = 0, finish = 0, context = 0;
-  long long main_threads = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
+  long long main_threads = 0, main_shared = 0, finish_threads = 0, blocks_per_sm = 0, sms = 0;
   PyObject* max_clusters = nullptr;  // borrowed from r
-  const bool parsed = PyArg_ParseTuple(r, "KKKLLLLO", &main, &finish, &context, &main_threads, &finish_threads,
-                                       &blocks_per_sm, &sms, &max_clusters);
+  const bool parsed = PyArg_ParseTuple(r, "KKKLLLLLO", &main, &finish, &context, &main_threads, &main_shared,
+                                       &finish_threads, &blocks_per_sm, &sms, &max_clusters);
   if (parsed) Py_INCREF(max_clusters);
   Py_DECREF(r);
   if (!parsed) throw python_error();
-  if (main_threads <= 0 || finish_threads <= 0 || blocks_per_sm <= 0 || sms <= 0) {
+  if (main_threads <= 0 || finish_threads <= 0 || blocks_per_sm <= 0 || sms <= 0 || main_shared < 0 ||
+      main_shared > UINT_MAX) {
     Py_DECREF(max_clusters);
-    PyErr_SetString(PyExc_ValueError, "matmul resolve_plan returned a non-positive size");
+    PyErr_SetString(PyExc_ValueError, "matmul resolve_plan returned a non-positive size or a bad shared memory size");
     throw python_error();
   }
   std::lock_guard<std::mutex> guard(mc->config->mutex);
@@ -540,6 +543,7 @@ const MatmulPlan* matmul_plan_for(MatmulConfig* mc, int dtype, int quant, int ne
     plan.finish = reinterpret_cast<void*>(finish);
     plan.context = reinterpret_cast<void*>(context);
     plan.main_threads = main_threads;
+    plan.main_shared = static_cast<unsigned>(main_shared);
     plan.finish_threads = finish_threads;
     plan.blocks_per_sm = blocks_per_sm;
     plan.sms = sms;
@@ -749,8 +753,8 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   int err = 0;
   if (ML.cluster_y == 1) {
     err = config->launch(ML.plan->main, static_cast<unsigned>(ML.grid[0]), static_cast<unsigned>(ML.grid[1]),
-                         static_cast<unsigned>(ML.grid[2]), static_cast<unsigned>(ML.plan->main_threads), 1, 1, 0,
-                         stream, params, nullptr);
+                         static_cast<unsigned>(ML.grid[2]), static_cast<unsigned>(ML.plan->main_threads), 1, 1,
+                         ML.plan->main_shared, stream, params, nullptr);
   } else {
     LaunchAttribute cluster;
     cluster.id = kClusterDimension;
@@ -759,6 +763,7 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
     for (int i = 0; i < 3; ++i) launch.grid[i] = static_cast<unsigned>(ML.grid[i]);
     launch.block[0] = static_cast<unsigned>(ML.plan->main_threads);
     launch.block[1] = launch.block[2] = 1;
+    launch.shared_bytes = ML.plan->main_shared;
     launch.stream = stream;
     launch.attrs = &cluster;
     launch.num_attrs = 1;
@@ -780,9 +785,9 @@ PyObject* matmul(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // describe_matmul(entry, *args): the launches matmul would make, without the context check or the
-// launches: ((dtype, quant, nested, tokens, device), (gx, gy, gz), main threads, main slots,
-// cluster blocks along y, finish blocks (0: no finish), finish threads, finish slots), or None
-// where it declines.
+// launches: ((dtype, quant, nested, tokens, device), (gx, gy, gz), main threads, main shared bytes,
+// main slots, cluster blocks along y, finish blocks (0: no finish), finish threads, finish slots), or
+// None where it declines.
 PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs < 1 || !PyCFunction_Check(args[0])) {
@@ -797,10 +802,11 @@ PyObject* describe_matmul(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   at::Tensor allocated, workspace;
   finish_matmul(&ML, &allocated, &workspace);
   const Launch& W = ML.weight;
-  return Py_BuildValue("(iiiiL)(LLL)LNLLLN", ML.dtype, W.quant, W.nested, ML.tokens,
+  return Py_BuildValue("(iiiiL)(LLL)LLNLLLN", ML.dtype, W.quant, W.nested, ML.tokens,
                        static_cast<long long>(W.device), static_cast<long long>(ML.grid[0]),
                        static_cast<long long>(ML.grid[1]), static_cast<long long>(ML.grid[2]),
-                       static_cast<long long>(ML.plan->main_threads), slots_tuple(ML.main, kMainParams),
+                       static_cast<long long>(ML.plan->main_threads), static_cast<long long>(ML.plan->main_shared),
+                       slots_tuple(ML.main, kMainParams),
                        static_cast<long long>(ML.cluster_y), static_cast<long long>(ML.finish_blocks),
                        static_cast<long long>(ML.plan->finish_threads), slots_tuple(ML.finish, kFinishParams));
   END_HANDLE_TH_ERRORS

@@ -66,6 +66,7 @@ class LoadedKernel:
     kernel: object  # cuda.core Kernel
     packer: ArgPacker = field(compare=False, repr=False)
     handle: object = field(compare=False, repr=False)  # the driver's handle, read once
+    shared_bytes: int = 0  # dynamic shared memory every launch passes
     # Keeps the shared argument buffer unchanged while the driver (which releases the GIL) reads it.
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
@@ -91,7 +92,12 @@ def load(
 
 
 def load_spec(
-    label: str, spec_of: Callable[[str], jit.CompileSpec], entry: str, device_index: int, kinds: tuple[str, ...]
+    label: str,
+    spec_of: Callable[[str], jit.CompileSpec],
+    entry: str,
+    device_index: int,
+    kinds: tuple[str, ...],
+    shared_bytes: int = 0,
 ) -> LoadedKernel:
     """``load`` for a kernel whose compile spec depends on the GPU: ``spec_of(arch)`` gives it for
     the GPU's ``sm_XY``; ``label`` names one kernel (memoised per label, entry and GPU)."""
@@ -106,8 +112,22 @@ def load_spec(
         with device_context(device_index):
             compiled = jit.compile_kernel(spec_of(device_arch(device_index)))
             kernel = ObjectCode.from_cubin(compiled.cubin, name=label).get_kernel(entry)
-        loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds), kernel.handle)
+            if shared_bytes:
+                _allow_dynamic_shared(kernel.handle, device_index, shared_bytes, label)
+        loaded = _loaded[key] = LoadedKernel(label, device_index, kernel, ArgPacker(kinds), kernel.handle, shared_bytes)
         return loaded
+
+
+def _allow_dynamic_shared(handle, device_index: int, shared_bytes: int, label: str) -> None:
+    """Let ``handle`` take ``shared_bytes`` of dynamic shared memory on GPU ``device_index`` (past 48 KB
+    the driver needs the leave; a library-loaded kernel takes it per device)."""
+    driver = _driver or _bind_driver()
+    err, device = driver.cuDeviceGet(device_index)
+    if not err:
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (err,) = driver.cuKernelSetAttribute(attribute, shared_bytes, handle, device)
+    if err:
+        raise launch_error(label, err)
 
 
 @contextlib.contextmanager
@@ -195,9 +215,13 @@ def launch(
     with loaded.lock:
         packer.pack(args)
         if cluster_y == 1:
-            (err,) = driver.cuLaunchKernel(loaded.handle, gx, gy, gz, block, 1, 1, 0, stream, packer.params, 0)
+            (err,) = driver.cuLaunchKernel(
+                loaded.handle, gx, gy, gz, block, 1, 1, loaded.shared_bytes, stream, packer.params, 0
+            )
         else:
-            config = cluster_launch_config(driver, (gx, gy, gz), block, stream_handle, stream, cluster_y)
+            config = cluster_launch_config(
+                driver, (gx, gy, gz), block, stream_handle, stream, cluster_y, loaded.shared_bytes
+            )
             (err,) = driver.cuLaunchKernelEx(config, loaded.handle, packer.params, 0)
     if err:  # CUresult is an int enum: CUDA_SUCCESS is 0
         raise launch_error(loaded.label, err)
@@ -211,21 +235,23 @@ _cluster_configs: dict[tuple, object] = {}
 _CLUSTER_CONFIGS_KEPT = 1024
 
 
-def cluster_launch_config(driver, grid: tuple[int, int, int], block: int, stream_handle: int, stream, cluster_y: int):
+def cluster_launch_config(
+    driver, grid: tuple[int, int, int], block: int, stream_handle: int, stream, cluster_y: int, shared_bytes: int = 0
+):
     """The configuration of a launch of ``grid`` as (1, cluster_y, 1) clusters on ``stream``
     (the CUstream of ``stream_handle``), built once per key."""
-    key = (*grid, block, stream_handle, cluster_y)
+    key = (*grid, block, stream_handle, cluster_y, shared_bytes)
     if (config := _cluster_configs.get(key)) is None:
         if len(_cluster_configs) >= _CLUSTER_CONFIGS_KEPT:
             _cluster_configs.clear()
-        config = _cluster_configs[key] = _cluster_config(driver, *grid, block, stream, cluster_y)
+        config = _cluster_configs[key] = _cluster_config(driver, *grid, block, stream, cluster_y, shared_bytes)
     return config
 
 
 def max_clusters(loaded: LoadedKernel, block: int, cluster: tuple[int, int, int]) -> int:
     """Clusters of ``cluster`` blocks of ``loaded`` the GPU holds at once (0: none; sm_90 on)."""
     driver = _driver or _bind_driver()
-    config = _cluster_config(driver, *cluster, block, None, cluster[1])
+    config = _cluster_config(driver, *cluster, block, None, cluster[1], loaded.shared_bytes)
     # The binding takes a CUfunction here; a loaded CUkernel is one to the driver.
     err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(int(loaded.handle)), config)
     return 0 if err else int(count)
@@ -244,7 +270,7 @@ def allow_nonportable_clusters(loaded: LoadedKernel) -> bool:
     return not err
 
 
-def _cluster_config(driver, gx: int, gy: int, gz: int, block: int, stream, cluster_y: int):
+def _cluster_config(driver, gx: int, gy: int, gz: int, block: int, stream, cluster_y: int, shared_bytes: int = 0):
     """cuLaunchKernelEx's configuration for a grid of (1, cluster_y, 1) clusters."""
     attribute = driver.CUlaunchAttribute()
     attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -252,7 +278,7 @@ def _cluster_config(driver, gx: int, gy: int, gz: int, block: int, stream, clust
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes = 0
+    config.sharedMemBytes = shared_bytes
     if stream is not None:
         config.hStream = stream
     config.attrs, config.numAttrs = [attribute], 1

@@ -1,4 +1,4 @@
-"""The fused 4-bit matmul kernels, everything about them in one place: their variants (up to 8
+"""The fused 4-bit matmul kernels, everything about them in one place: their variants (up to 16
 tokens a tile ``kernels/matmul_4bit_m8_pairs.cu`` for nested scales, ``kernels/matmul_4bit_m8.cu``
 for plain ones; more ``kernels/matmul_4bit.cu``, or on Hopper ``kernels/matmul_4bit_sm90.cu``; one
 parameter list),
@@ -18,14 +18,30 @@ from dataclasses import dataclass
 
 from harness.runtime import jit, launcher
 
-# Up to 8 tokens each decoded weight feeds one mma, so the decode is the work. With nested scales, a
-# shared-memory table of code pairs, the scale applied to fp32 sums (SOURCE_M8_PAIRS: 2.7 instead of
-# 4.6 instructions a weight); with plain ones that arithmetic measured 5-14% less accurate than
-# bitsandbytes' (its low-precision absmax makes many of bitsandbytes' roundings exact), so they keep
-# per-block register tables of the dequantized weights (SOURCE_M8). With more tokens, the
+# Up to 16 tokens each decoded weight feeds one or two mmas, so the decode is the work. With nested
+# scales, a shared-memory table of code pairs, the scale applied to fp32 sums (SOURCE_M8_PAIRS: 2.7
+# instead of 4.6 instructions a weight); with plain ones that arithmetic measured 5-14% less accurate
+# than bitsandbytes' (its low-precision absmax makes many of bitsandbytes' roundings exact), so they
+# keep per-block register tables of the dequantized weights (SOURCE_M8). With more tokens, the
 # shared-memory code table, whose few registers keep more warps in flight. kernels/NOTES.md.
 SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_pairs.cu", "matmul_4bit.cu"
-M8_TOKENS = 8  # the token tile SOURCE_M8 and SOURCE_M8_PAIRS run; the wider ones run SOURCE_WIDE
+# The token tiles SOURCE_M8 and SOURCE_M8_PAIRS run (the wider ones run SOURCE_WIDE). At 16 tokens the
+# pair-table kernel took the gate weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192
+# from 36 to 30 (H100; at 32 tokens it was slower than the wide kernel: kernels/NOTES.md).
+DECODE_TILES = (8, 16)
+# A decode kernel's grid follows its busiest SM (grid_for) where an SM holds at least this many of
+# its blocks (16 warps), which keep the SM's integer pipe busy; with fewer it follows its waves
+# (WAVE_STEPS). The pair-table kernel at 16 tokens holds 3: on a sweep of 30 weights at 16 rows
+# (H100) the busiest-SM rule picked grids 1.106x the fastest in geometric mean (worst 1.31), the wide
+# tiles' one-wave rule 1.039x but the gate weight 28672x8192 at 1.12x (one wave and an eighth: 104 µs
+# in a perf run against 82 as a cluster pair), the waves rule 1.031x. The register-table kernel at
+# 16 tokens (plain scales) holds 4, and under the waves rule took that weight from 89 to 101 µs
+# (kernels/NOTES.md).
+BUSIEST_SM_BLOCKS = 4
+# Waves rule: a grid of n splits costs its waves (blocks over what the GPU holds at once) times a
+# split's steps plus WAVE_STEPS (a wave's ramp and first loads), plus FINISH_STEPS where the finish
+# kernel adds the splits; fit to that sweep (0, 1, 2 and 4 wave steps: 1.066, 1.051, 1.036, 1.031x).
+WAVE_STEPS, FINISH_STEPS = 4, 2
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
 # steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
@@ -44,6 +60,7 @@ WARPS = {8: 4, 16: 4, 32: 4, 64: 8}
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
 ARITHMETIC = {SOURCE_M8_PAIRS: "scaled-sums"}  # every other source: "dequantized"
 STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
+PAIR_TABLE_BYTES = 256 * 32 * 4  # SOURCE_M8_PAIRS' table: 256 pairs of codes, 32 copies of each
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
 
@@ -75,7 +92,7 @@ class MatmulVariant:
 
     def build(self, arch: str) -> tuple[str, str]:
         """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
-        if self.tokens == M8_TOKENS:
+        if self.tokens in DECODE_TILES:
             return (SOURCE_M8_PAIRS if self.nested else SOURCE_M8), arch
         if arch in WGMMA_TARGETS:
             return SOURCE_SM90, WGMMA_TARGETS[arch]
@@ -87,6 +104,15 @@ class MatmulVariant:
         if int(arch[3:]) < CLUSTER_ARCH:
             return 0
         return CLUSTER_SPLITS.get((self.build(arch)[0], self.tokens), 0)
+
+    def dynamic_shared_bytes(self, arch: str) -> int:
+        """Bytes of dynamic shared memory every launch of this variant's main kernel on ``arch`` passes
+        (0: its shared memory is all static)."""
+        if self.build(arch)[0] != SOURCE_M8_PAIRS or self.tokens == DECODE_TILES[0]:
+            return 0
+        # Past the 48 KB a kernel may declare: the pair table, then two stages of the activation
+        # tile at its larger padding (4 slots a row: kernels/matmul_4bit_m8_pairs.cu).
+        return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
 
     def macros(self, arch: str) -> tuple[tuple[str, str], ...]:
         """The compile macros of this variant's kernel on a GPU of ``arch``."""
@@ -112,7 +138,7 @@ def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
 
 def step_k(tokens: int) -> int:
     """k one warp covers per step with this token tile."""
-    return STEP_K_M8 if tokens == M8_TOKENS else STEP_K_WIDE
+    return STEP_K_M8 if tokens in DECODE_TILES else STEP_K_WIDE
 
 
 def steps_of(K: int, tokens: int) -> int:
@@ -185,11 +211,11 @@ MAX_SPLITS = 16
 # µs), kernels/NOTES.md.
 CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 # The kernels compiled with the cluster epilogue, by (source, token tile): the most splits a cluster
-# adds. The 8-token kernel up to MAX_SPLITS (past PORTABLE_CLUSTER_BLOCKS the kernel needs the
-# driver's leave, `launcher.allow_nonportable_clusters`); the Hopper kernel at 64 tokens in pairs
-# (the only size measured there). Compiled into the 16- and 32-token kernels the epilogue made their
-# main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
-CLUSTER_SPLITS = {(SOURCE_M8, M8_TOKENS): 16, (SOURCE_M8_PAIRS, M8_TOKENS): 16, (SOURCE_SM90, 64): 2}
+# adds. The decode kernels (DECODE_TILES) up to MAX_SPLITS (past PORTABLE_CLUSTER_BLOCKS the kernel
+# needs the driver's leave, `launcher.allow_nonportable_clusters`); the Hopper kernel at 64 tokens in
+# pairs (the only size measured there). Compiled into the wide 16- and 32-token kernels the epilogue
+# made their main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
+CLUSTER_SPLITS = {**{(s, t): 16 for s in (SOURCE_M8, SOURCE_M8_PAIRS) for t in DECODE_TILES}, (SOURCE_SM90, 64): 2}
 PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
 # Clusters of more than 2 splits pay in grids of at most a block an SM; and of at most this many
 # blocks an SM with splits of at most this many steps. First fit to grids against the finish at one
@@ -224,7 +250,7 @@ CLUSTER_EPILOGUE_STEPS = 2.5
 
 def min_split_steps(tokens: int) -> int:
     """The fewest steps a split of K runs (the last may run fewer) with this token tile."""
-    return MIN_SPLIT_STEPS_M8 if tokens == M8_TOKENS else MIN_SPLIT_STEPS
+    return MIN_SPLIT_STEPS_M8 if tokens in DECODE_TILES else MIN_SPLIT_STEPS
 
 
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
@@ -242,18 +268,23 @@ def grid_for(
     most ``MAX_SPLITS``; and whether the splits run as clusters (``clusters_fit``, with
     ``max_clusters[s]`` clusters of s splits the GPU holds at once, empty where it has none).
 
-    The 8-token kernel's decode keeps every SM's integer pipe busy, so its launch lasts as long as
-    its busiest SM: K is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds
-    at once (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose
-    busiest SM runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs,
+    The decode kernels (``DECODE_TILES``) at ``BUSIEST_SM_BLOCKS`` blocks an SM keep every SM's
+    integer pipe busy, so a launch lasts as long as its busiest SM: K is split from the fewest parts
+    that fill ``FILL`` of the blocks the GPU holds at once (``blocks_per_sm`` on each of ``sms`` SMs)
+    up to twice that, choosing the split whose busiest SM runs the fewest steps (the fewest splits
+    on a tie). 448 feature groups on 132 SMs,
     unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8. Where
     that split has more than 2 parts, two splits added in a cluster take its place (before its own
     cluster, where it would have one) if their busiest SM runs no more steps and a split at most
     ``CLUSTER_PAIR_STEPS``.
 
-    The wider tiles measured slower under that rule (M = 32 in the A/B gate, kernels/NOTES.md), and
-    more splits cost them partial sums M times larger: they take as many splits as fit beside each
-    other in one wave (a grid just over one wave would run its few extra blocks as a second wave).
+    With fewer blocks an SM they take the split of the waves rule (``waves_grid``) with the fewest
+    waves times steps.
+
+    The wider tiles measured slower under the busiest-SM rule (M = 32 in the A/B gate,
+    kernels/NOTES.md), and more splits cost them partial sums M times larger: they take as many
+    splits as fit beside each other in one wave (a grid just over one wave would run its few extra
+    blocks as a second wave).
     Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
     busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), steps_of(K, tokens)
@@ -271,7 +302,10 @@ def grid_for(
     # Two splits added in a cluster: what each kernel's grid below may give way to.
     pair_n, pair_steps = shape(2)
     pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
-    if tokens != M8_TOKENS:
+    if tokens in DECODE_TILES and blocks_per_sm < BUSIEST_SM_BLOCKS:
+        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
+        return min(options, key=lambda option: option[0])[1]
+    if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
         pair_pays = (
             pair_steps >= min_split_steps(tokens)
@@ -284,6 +318,19 @@ def grid_for(
     if pair_fits and pair_pays:  # before a cluster of more splits: the pair measured faster there
         return Grid((groups, 2, tiles), pair_steps, True)
     return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
+
+
+def waves_grid(
+    groups: int, tiles: int, steps: int, splits: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
+) -> tuple[tuple[float, int], Grid]:
+    """((cost, splits), grid) of the waves rule (``WAVE_STEPS``) for K in ``splits`` splits (fewer where
+    one would be empty): the grid of the smallest (cost, splits) is taken, the fewest splits on a tie."""
+    per_split = -(-steps // splits)
+    n, units = -(-steps // per_split), groups * tiles
+    clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters)
+    waves = -(-units * n // (blocks_per_sm * sms))
+    cost = waves * (per_split + WAVE_STEPS) + (FINISH_STEPS if n > 1 and not clustered else 0)
+    return (cost, n), Grid((groups, n, tiles), per_split, clustered)
 
 
 def clusters_fit(
@@ -336,12 +383,14 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
     key = (variant, device_index)
     if (hit := _plans.get(key)) is None:
         spec = functools.partial(spec_for, variant)
-        main = launcher.load_spec(variant.name, spec, ENTRY, device_index, MAIN_PARAMS)
+        arch = launcher.device_arch(device_index)
+        shared = variant.dynamic_shared_bytes(arch)
+        main = launcher.load_spec(variant.name, spec, ENTRY, device_index, MAIN_PARAMS, shared)
         finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
         block = threads(variant.tokens)
-        sizes = variant.cluster_splits(launcher.device_arch(device_index))
+        sizes = variant.cluster_splits(arch)
         with launcher.device_context(device_index):  # the driver's answers need the GPU's context
-            per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, 0)
+            per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared)
             if sizes > PORTABLE_CLUSTER_BLOCKS:
                 launcher.allow_nonportable_clusters(main)
             clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
@@ -397,13 +446,14 @@ def cluster_of(grid: Grid) -> int:
 # The compiled host path's view of the above (host_launcher.configure_matmul): indices into
 # DTYPES, QUANT_TYPES and TOKEN_TILES, plain tuples it reads without Python attribute lookups.
 def host_plan(dtype: int, quant: int, nested: int, tokens: int, device_index: int) -> tuple[int, ...]:
-    """(main kernel, finish kernel, their context, threads of each, blocks per SM, SMs, clusters it
-    holds at once by splits (``Plan.max_clusters``, handed back to ``host_grid`` as it is)) of a
-    variant on a GPU, loading it on first use."""
+    """(main kernel, finish kernel, their context, threads of the main kernel, its dynamic shared
+    memory bytes, threads of the finish, blocks per SM, SMs, clusters it holds at once by splits
+    (``Plan.max_clusters``, handed back to ``host_grid`` as it is)) of a variant on a GPU, loading it
+    on first use."""
     p = plan(MatmulVariant(DTYPES[dtype], QUANT_TYPES[quant], bool(nested), TOKEN_TILES[tokens]), device_index)
     return (
         int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), p.threads,
-        FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters,
+        p.main.shared_bytes, FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters,
     )  # fmt: skip
 
 
