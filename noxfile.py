@@ -239,33 +239,55 @@ def cpu_workers() -> list[str]:
 
 
 def _candidate_tree(session: nox.Session, candidate: str) -> Path:
-    """A directory of links: this checkout's tests, configuration and records beside another
-    checkout's ``harness`` and ``kernels/``, so that ``import harness`` from there finds that one and
-    no other (running from this checkout itself would put its own package first on the path).
-    Proven before it is used."""
+    """A directory of links (``candidate_tree``) run from, so that ``import harness`` finds the
+    candidate's product and this checkout's judging packages and no other (running from this
+    checkout itself would put its own package first on the path). Proven before it is used."""
     root = (Path(session.invoked_from) / candidate).resolve()
     if not (root / "harness" / "__init__.py").is_file():
         session.error(f"--candidate-dir {candidate}: {root} holds no harness package")
     here = Path(__file__).resolve().parent
-    tree = Path(session.create_tmp()) / "candidate-tree"
-    shutil.rmtree(tree, ignore_errors=True)
-    tree.mkdir(parents=True)
-    for entry in here.iterdir():
-        if entry.name not in CANDIDATE_OWNS and not entry.name.startswith("."):
-            (tree / entry.name).symlink_to(entry)
-    for name in CANDIDATE_OWNS:
-        (tree / name).symlink_to(root / name)
+    tree = candidate_tree(here, root, Path(session.create_tmp()) / "candidate-tree")
     session.chdir(tree)
-    code = "import harness, pathlib; print(pathlib.Path(harness.__file__).resolve().parent.parent)"
+    code = (
+        "import importlib, pathlib; "
+        f"print(*(pathlib.Path(importlib.import_module(m).__file__).resolve().parent for m in {PROVEN_IMPORTS!r}))"
+    )
     found = session.run(_python(session), "-c", code, silent=True, log=False)
-    if isinstance(found, str) and found.strip().splitlines()[-1:] != [str(root)]:
-        session.error(f"--candidate-dir {candidate}: import harness found {found.strip()!r}, not {root}")
-    session.log(f"this checkout's tests on the package and kernels at {root}")
+    expected = [str(root / "harness"), str(root / "harness" / "runtime"), *(str(here / p) for p in JUDGE_OWNS)]
+    if isinstance(found, str) and found.strip().splitlines()[-1:] != [" ".join(expected)]:
+        session.error(f"--candidate-dir {candidate}: imports found {found.strip()!r}, not {expected}")
+    session.log(f"this checkout's tests and judging packages on the package and kernels at {root}")
     return tree
 
 
-# What a candidate brings to a run of this checkout's tests: its package and its CUDA sources.
-CANDIDATE_OWNS = ("harness", "kernels")
+# What judges a pull request in its correctness run: this checkout's tests, configuration and
+# records, and these packages of its harness (the checks, references, shapes and data, the perf
+# gate, the compile check). Everything else of the harness and kernels/ is the product, the
+# candidate's.
+JUDGE_OWNS = ("harness/correctness", "harness/perf", "harness/compile_check")
+CANDIDATE_OWNS = ("kernels",)  # beside the harness entries JUDGE_OWNS does not name
+PROVEN_IMPORTS = ("harness", "harness.runtime", "harness.correctness", "harness.perf", "harness.compile_check")
+
+
+def candidate_tree(judge: Path, candidate: Path, tree: Path) -> Path:
+    """``tree`` as links: the judge's top-level entries but ``kernels`` and ``harness``; the
+    candidate's ``kernels``; a ``harness`` directory of the candidate's entries but the ones
+    ``JUDGE_OWNS`` names, which are the judge's. A candidate's checking code never reaches it."""
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    for entry in judge.iterdir():
+        if entry.name not in (*CANDIDATE_OWNS, "harness") and not entry.name.startswith("."):
+            (tree / entry.name).symlink_to(entry)
+    for name in CANDIDATE_OWNS:
+        (tree / name).symlink_to(candidate / name)
+    judged = {Path(p).name for p in JUDGE_OWNS}
+    (tree / "harness").mkdir()
+    for entry in (candidate / "harness").iterdir():
+        if entry.name not in judged and entry.name != "__pycache__":
+            (tree / "harness" / entry.name).symlink_to(entry)
+    for path in JUDGE_OWNS:
+        (tree / path).symlink_to(judge / path)
+    return tree
 
 
 def _take_marker(args: list[str]) -> str | None:
@@ -342,15 +364,16 @@ def perf(session: nox.Session) -> None:
         "--benchmark-columns=median,iqr,rounds",
         *sides,
         *args,
-        env=_gpu_env(PYTHONPATH=judge_pythonpath(judge)),
+        env=_gpu_env(**judge_env(judge, Path(session.create_tmp()))),
     )
 
 
-def judge_pythonpath(judge: Path) -> str:
-    """The perf worker's PYTHONPATH: the judge's checkout first, then whatever the caller had
-    (packages installed on PYTHONPATH, as on clusters and offline boxes, stay importable)."""
+def judge_env(judge: Path, tmp: Path) -> dict[str, str]:
+    """The perf judge's import settings: its checkout first on PYTHONPATH, then whatever the caller
+    had (packages installed on PYTHONPATH, as on clusters and offline boxes, stay importable); its
+    bytecode in ``tmp``, so none a measured side wrote into the checkout is ever read."""
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join([str(judge), *inherited])
+    return {"PYTHONPATH": os.pathsep.join([str(judge), *inherited]), "PYTHONPYCACHEPREFIX": str(tmp / "judge-bytecode")}
 
 
 @nox.session(name="bnb-paths", venv_params=["--system-site-packages"], default=False)

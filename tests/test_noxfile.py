@@ -265,13 +265,15 @@ def test_a_second_correctness_run_installs_nothing():
     assert "installing nothing" in output and "pip install" not in output, output
 
 
-def test_the_perf_worker_keeps_an_inherited_pythonpath(monkeypatch):
+def test_the_perf_judge_keeps_an_inherited_pythonpath_and_reads_no_bytecode_from_a_checkout(monkeypatch):
     noxfile = _noxfile()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/site-a", "", "/opt/site-b"]))
-    judge = Path("/ci/judge")
-    assert noxfile.judge_pythonpath(judge).split(os.pathsep) == [str(judge), "/opt/site-a", "/opt/site-b"]
+    judge, tmp = Path("/ci/judge"), Path("/ci/tmp")
+    env = noxfile.judge_env(judge, tmp)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(judge), "/opt/site-a", "/opt/site-b"]
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp / "judge-bytecode")  # outside both checkouts
     monkeypatch.delenv("PYTHONPATH")
-    assert noxfile.judge_pythonpath(judge) == str(judge)
+    assert noxfile.judge_env(judge, tmp)["PYTHONPATH"] == str(judge)
 
 
 def test_kernels_is_not_importable_from_any_directory(tmp_path):
@@ -345,9 +347,10 @@ def test_gpu_sessions_switch_the_user_site_off(monkeypatch):
     assert env["NF4_HARNESS_HOST_LAUNCHER"] == "compiled"
 
 
-def test_correctness_on_a_candidate_runs_this_checkouts_tests_on_the_candidates_package(tmp_path):
+def test_correctness_on_a_candidate_runs_this_checkouts_tests_and_checking_code_on_the_candidates_package(tmp_path):
     """The base's tests judge a pull request: a candidate that breaks a rule and weakens the test
-    of it passes its own suite and fails this checkout's (CPU tests; --no-venv, nothing installed)."""
+    of it passes its own suite and fails this checkout's (CPU tests; --no-venv, nothing installed);
+    its checking code (here ``harness/correctness/cases.py``, which the tests import) never runs."""
     pytest.importorskip("nox")
     from tests.perf import planted
 
@@ -356,6 +359,9 @@ def test_correctness_on_a_candidate_runs_this_checkouts_tests_on_the_candidates_
     kernel.write_text(kernel.read_text().replace("for t in TOKEN_TILES if m <= t", "for t in TOKEN_TILES if m < t"))
     test = candidate / "tests" / "test_matmul.py"
     test.write_text(test.read_text().replace("def test_a_token_tile_holds", "def _weakened_test_a_token_tile_holds"))
+    marker = tmp_path / "candidate-checking-code-ran"
+    checking = candidate / "harness" / "correctness" / "cases.py"
+    checking.write_text(checking.read_text() + f"\nopen({str(marker)!r}, 'a').write('ran')\n")
     select = ["tests/test_matmul.py", "-k", "token_tile", "-n", "0"]  # a few tests: no workers to start
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")} | {"NF4_HARNESS_GPUS": "0"}
 
@@ -365,9 +371,42 @@ def test_correctness_on_a_candidate_runs_this_checkouts_tests_on_the_candidates_
 
     own = correctness(candidate)
     assert own.returncode == 0, own.stdout + own.stderr  # its own, weakened suite passes
+    assert marker.read_text() == "ran"  # and there its checking code runs
+    marker.unlink()
     judged = correctness(ROOT, "--candidate-dir", str(candidate))
     output = judged.stdout + judged.stderr
-    assert f"this checkout's tests on the package and kernels at {candidate}" in output
+    assert f"this checkout's tests and judging packages on the package and kernels at {candidate}" in output
     assert judged.returncode != 0 and "test_a_token_tile_holds_the_rows" in output, output
+    assert not marker.exists(), "the candidate's checking code ran in the base's test run"
     empty = correctness(ROOT, "--candidate-dir", str(tmp_path))
     assert empty.returncode != 0 and "holds no harness package" in empty.stdout + empty.stderr
+
+
+def test_a_candidate_tree_takes_the_judging_packages_from_the_judge_and_the_rest_from_the_candidate(tmp_path):
+    """Each entry of the tree the base's tests run from, and which checkout it is: the candidate's
+    product (its harness package but the judging packages, its kernels/, whatever new module it adds),
+    the judge's tests, configuration, records and judging packages."""
+    noxfile = _noxfile()
+    judge, candidate = tmp_path / "judge", tmp_path / "candidate"
+    for root in (judge, candidate):
+        for path in ("harness/runtime", "harness/correctness/data", "harness/perf", "harness/compile_check", "kernels"):
+            (root / path).mkdir(parents=True)
+        (root / "harness" / "__init__.py").write_text("")
+    (judge / "tests").mkdir()
+    (candidate / "harness" / "ops").mkdir()  # a new product package
+    (candidate / "tests").mkdir()
+    tree = noxfile.candidate_tree(judge, candidate, tmp_path / "tree")
+    owner = {
+        str(p.relative_to(tree)): p.resolve().relative_to(tmp_path).parts[0]
+        for p in [*tree.iterdir(), *(tree / "harness").iterdir()]
+    }
+    assert owner == {
+        "harness": "tree", "kernels": "candidate", "tests": "judge", "harness/__init__.py": "candidate",
+        "harness/runtime": "candidate", "harness/ops": "candidate", "harness/correctness": "judge",
+        "harness/perf": "judge", "harness/compile_check": "judge",
+    }  # fmt: skip
+    assert set(noxfile.JUDGE_OWNS) == {"harness/correctness", "harness/perf", "harness/compile_check"}
+    # Every package of this checkout's harness is one or the other: a new judging package must be listed.
+    product = {"runtime"}
+    packages = {p.name for p in (ROOT / "harness").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == product | {Path(p).name for p in noxfile.JUDGE_OWNS}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -423,23 +424,34 @@ def test_the_guard_sees_any_change_to_the_judges_files_even_put_back(tmp_path):
 
     (tmp_path / "kernels").mkdir()
     (tmp_path / "harness" / "perf").mkdir(parents=True)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "perf-out").mkdir()
     source = tmp_path / "kernels" / "dequantize_4bit.cu"
     source.write_text("original\n")
     (tmp_path / "harness" / "perf" / "gate.py").write_text("x = 1\n")
-    (tmp_path / "elsewhere.txt").write_text("not guarded\n")
-    before = tree_guard.fingerprint([tmp_path])
-    (tmp_path / "harness" / "__pycache__").mkdir()  # bytecode written by the judge's own imports
-    (tmp_path / "harness" / "__pycache__" / "x.pyc").write_bytes(b"")
-    (tmp_path / "elsewhere.txt").write_text("changed\n")
-    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path])) == []
+    (tmp_path / "notes.txt").write_text("a file at the top\n")
+    out = (tmp_path / "perf-out",)
+    before = tree_guard.fingerprint([tmp_path], out)
+    (tmp_path / ".git" / "index").write_text("hidden: not on any import path\n")
+    (tmp_path / "perf-out" / "summary.md").write_text("the session's own output\n")
+    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path], out)) == []
     stat = source.stat()
     time.sleep(0.01)
     source.write_text("planted\n")
     source.write_text("original\n")  # the same bytes back, the same modification time back
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path])) == [str(source)]
-    (tmp_path / "harness" / "runtime").mkdir()  # a new directory inside a guarded one
-    assert str(tmp_path / "harness" / "runtime") in tree_guard.changed(before, tree_guard.fingerprint([tmp_path]))
+    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path], out)) == [str(source)]
+    # A package that shadows one the judge imports late, any other file: each is a change. Bytecode
+    # is not (other processes of the checkout write it; the judge reads none from it: the test below).
+    (tmp_path / "harness" / "perf" / "__pycache__").mkdir()
+    (tmp_path / "harness" / "perf" / "__pycache__" / "gate.cpython-311.pyc").write_bytes(b"")
+    assert tree_guard.changed(before, tree_guard.fingerprint([tmp_path], out)) == [str(source)]
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("")
+    (tmp_path / "notes.txt").write_text("changed\n")
+    seen = tree_guard.changed(before, tree_guard.fingerprint([tmp_path], out))
+    assert {str(tmp_path / "transformers"), str(tmp_path / "transformers" / "__init__.py")} <= set(seen)
+    assert str(tmp_path / "notes.txt") in seen
 
 
 ATTACKED_FILES = {
@@ -648,3 +660,122 @@ def test_every_case_the_catalog_times_has_its_kind_in_the_stage():
     kinds = {case.kind for case in [*catalog.kernel_cases(), *catalog.matmul_cases()]}
     assert kinds == set(stage.KINDS) == {"dequantize", "matmul"}
     assert all(kind.name == name for name, kind in stage.KINDS.items())
+
+
+@pytest.mark.parametrize("order", [("candidate", "base"), ("base", "candidate")])
+def test_a_side_cannot_redirect_another_sides_kernel_sources_or_compile_cache(tmp_path, order):
+    """In a measuring process holding both sides, a candidate whose code points the environment at
+    other kernel sources and another compile cache (as it loads, and again when it runs) moves
+    neither for the base: each side compiles its own kernels/ into a cache of its own."""
+    from harness.perf.session import JUDGE_ROOT
+    from tests.perf import planted
+
+    roots = {"base": planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")}
+    roots["candidate"] = planted.copy_checkout(JUDGE_ROOT, tmp_path / "candidate")
+    evil = (
+        "import os\nos.environ['NF4_HARNESS_KERNELS_DIR'] = '/evil/kernels'\n"
+        "os.environ['NF4_HARNESS_CACHE_DIR'] = '/evil/cache'\n"
+    )
+    init = roots["candidate"] / "harness" / "__init__.py"
+    init.write_text(init.read_text() + "\n" + evil)
+    probe = textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        from harness.perf import worker
+        roots = {{name: Path(root) for name, root in {[(n, str(roots[n])) for n in order]!r}}}
+        loaded = worker.load_sides(roots)
+        os.environ['NF4_HARNESS_KERNELS_DIR'] = '/evil/again'  # the candidate's code at call time
+        for name, side in loaded.items():
+            with side.active():
+                from harness.runtime import jit
+                print(name, jit.kernels_dir(), jit.cache_dir())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NF4_HARNESS_")}
+    env |= {"NF4_HARNESS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(JUDGE_ROOT)}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    seen = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()}
+    assert seen["base"] == [str(roots["base"] / "kernels"), str(tmp_path / "cache" / "base")]
+    assert seen["candidate"] == ["/evil/kernels", "/evil/cache"]  # the payload took: for its own compiles
+
+
+def test_a_measuring_process_imports_nothing_from_its_working_directory_or_a_new_judge_file(tmp_path):
+    """Its working directory is its own cache, outside every checkout and off its import path: a
+    module planted there is not found; it writes no bytecode; the module runs as `-m` runs it."""
+    from harness.perf import session
+
+    cache, probe_site = tmp_path / "cache", tmp_path / "site"
+    cache.mkdir()
+    probe_site.mkdir()
+    (cache / "planted.py").write_text("")
+    (probe_site / "probe.py").write_text(
+        "import json, os, sys\n"
+        "try:\n    import planted\n    found = True\nexcept ImportError:\n    found = False\n"
+        "print(json.dumps([__name__, sys.argv[1:], os.getcwd(), found, sys.pycache_prefix]))\n"
+    )
+    argv, cwd, env = session.worker_command({"base": tmp_path / "b", "candidate": tmp_path / "c"}, cache, "probe")
+    assert cwd == cache and not cwd.resolve().is_relative_to(session.JUDGE_ROOT)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(session.JUDGE_ROOT)
+    env["PYTHONPATH"] += os.pathsep + str(probe_site)
+    run = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    name, args, where, found, bytecode = json.loads(run.stdout)
+    assert name == "__main__" and args == ["--side", f"base={tmp_path / 'b'}", "--side", f"candidate={tmp_path / 'c'}"]
+    assert where == str(cache) and not found and bytecode == str(cache / "bytecode")
+
+
+def test_bytecode_planted_beside_a_module_is_not_what_a_private_bytecode_directory_loads(tmp_path):
+    """A .pyc a side writes beside one of the judge's modules, valid for its source (size and time
+    in its header) but holding other code, runs where Python reads bytecode from the checkout, and
+    not where it reads it from a directory of its own (the judge's and the measuring processes')."""
+    import importlib.util
+    import py_compile
+    from pathlib import Path
+
+    from harness.perf import session
+
+    package = tmp_path / "tree" / "judged"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    source = package / "verdict.py"
+    source.write_text("VERDICT = 'own'\n")
+    stat = source.stat()
+    decoy = tmp_path / "decoy.py"
+    decoy.write_text("VERDICT = 'bad'\n")  # the same size as the source: the header will match it
+    planted_pyc = Path(importlib.util.cache_from_source(str(source)))
+    planted_pyc.parent.mkdir()
+    os.utime(decoy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    py_compile.compile(str(decoy), cfile=str(planted_pyc), invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+    probe = "from judged import verdict; print(verdict.VERDICT)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"PYTHONPATH": str(tmp_path / "tree")}
+
+    def run(extra: dict) -> str:
+        done = subprocess.run([sys.executable, "-c", probe], env=env | extra, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run({}) == "bad"  # the plant works where bytecode is read from the checkout
+    _argv, _cwd, worker_env = session.worker_command({}, tmp_path / "cache")
+    assert run({"PYTHONPYCACHEPREFIX": worker_env["PYTHONPYCACHEPREFIX"]}) == "own"
+
+
+def test_the_judge_imports_its_late_modules_before_any_side_runs():
+    """Every module the judge's perf code and tests import inside a function (a first import during a
+    session) is imported at its start (``session.JUDGE_LATE_IMPORTS``), but the judge's own package."""
+    import ast
+
+    from harness.perf import session
+
+    root = session.JUDGE_ROOT
+    late = set()
+    for path in [*(root / "harness" / "perf").glob("*.py"), *(root / "tests" / "perf").glob("*.py")]:
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    late |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    late.add(node.module.split(".")[0])
+    late -= {*sys.stdlib_module_names, "harness", "tests"}
+    assert late and late <= {name.split(".")[0] for name in session.JUDGE_LATE_IMPORTS}, late

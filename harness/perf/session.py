@@ -40,6 +40,51 @@ JUDGE_ROOT = Path(__file__).resolve().parent.parent.parent
 REFERENCES = ("bnb_kernel", "bnb_full", "same_size_copy")
 
 
+# Runs a module as `python -m` does, without the working directory on the import path (what
+# Python 3.11's -P does, on 3.10 too).
+RUN_MODULE = (
+    "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
+
+
+def worker_command(
+    side_roots: dict[str, Path], cache: Path, module: str = "harness.perf.worker"
+) -> tuple[list[str], Path, dict[str, str]]:
+    """(argv, working directory, environment) of a measuring process for ``side_roots``: the judge's
+    checkout first on its import path (PYTHONPATH), the working directory not on it
+    (``RUN_MODULE``) and outside every checkout (its own cache directory), so no file a side adds
+    anywhere is imported in its place; its kernels and compile cache each side's own
+    (``worker.load_sides``); bytecode only in a directory of its own, never a checkout's."""
+    env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}
+    env[settings.CACHE_DIR.name] = str(cache)  # compiled kernels and host launcher: this process's alone
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(JUDGE_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPYCACHEPREFIX"] = str(cache / "bytecode")  # none read from, or written into, a checkout
+    sides_args = [a for name, root in side_roots.items() for a in ("--side", f"{name}={root}")]
+    return [sys.executable, "-c", RUN_MODULE, module, *sides_args], cache, env
+
+
+# What the judge imports late (inside functions), imported before any side's code runs: a module
+# first imported later could come from a package a side's process added to the judge's checkout,
+# the first entry of the judge's import path (tests/test_perf_logic.py holds this list to the
+# judge's late imports).
+JUDGE_LATE_IMPORTS = (
+    "bitsandbytes", "cuda.bindings.driver", "matplotlib.pyplot", "pynvml", "tabulate", "torch", "transformers",
+)  # fmt: skip
+
+
+def import_late_modules() -> None:
+    """Import ``JUDGE_LATE_IMPORTS`` that are installed (matplotlib without a display)."""
+    import importlib
+
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    for name in JUDGE_LATE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 class WorkerError(RuntimeError):
     """A measuring process failed; the message carries its traceback."""
 
@@ -48,19 +93,8 @@ class Worker:
     """The judge's end of a measuring process (one side's, or both sides')."""
 
     def __init__(self, side_roots: dict[str, Path], cache: Path):
-        env = {k: v for k, v in os.environ.items() if k != settings.KERNELS_DIR.name}  # each side its own kernels/
-        env[settings.CACHE_DIR.name] = str(cache)  # compiled kernels and host launcher: this process's alone
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(JUDGE_ROOT), env.get("PYTHONPATH")) if p)
-        env["PYTHONUNBUFFERED"] = "1"
-        sides_args = [a for name, root in side_roots.items() for a in ("--side", f"{name}={root}")]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.perf.worker", *sides_args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=JUDGE_ROOT,  # `-m` puts the working directory first on the path: the judge's harness
-            env=env,
-        )
+        argv, cwd, env = worker_command(side_roots, cache)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env)
         self._read()
 
     def _read(self) -> dict:
@@ -142,6 +176,7 @@ class PerfSession:
         seed: int = 0,
         references: bool = True,
         isolation: policy.Isolation = policy.ISOLATION,
+        output_dirs: tuple[Path, ...] = (),
     ):
         self.schedule, self.seed, self.references, self.isolation = schedule, seed, references, isolation
         self.candidate_root, self.base_root = Path(candidate_root).resolve(), base_root and Path(base_root).resolve()
@@ -158,9 +193,13 @@ class PerfSession:
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)  # the references' and the copy's
         self.copy_gbps, _ = gpu_timer.copy_bandwidth(self.timer)
-        # The judge's files before any of the candidate's code runs (checked again by ``close``).
+        # The judge's files before any of the candidate's code runs (checked again by ``close``); from
+        # here the judge imports nothing for the first time, and no bytecode from its checkout.
+        import_late_modules()
+        self._pycache_prefix, sys.pycache_prefix = sys.pycache_prefix, str(Path(self._tmp) / "judge-bytecode")
         self._guarded = [JUDGE_ROOT] + ([self.base_root] if self.base_root else [])
-        self._fingerprint = tree_guard.fingerprint(self._guarded)
+        self._unguarded = tuple(Path(p) for p in output_dirs)
+        self._fingerprint = tree_guard.fingerprint(self._guarded, self._unguarded)
         self.judge_changed: list[str] = []
         # The base first: in a dequantization case its prepared outputs are the bits to match.
         roots = ({"base": self.base_root} if self.base_root else {}) | {"candidate": self.candidate_root}
@@ -168,7 +207,7 @@ class PerfSession:
         self.workers: dict[str, Worker] = {}  # side -> its measuring process
         try:
             for group in groups:
-                worker = Worker(group, self._process_cache("-".join(group)))
+                worker = Worker(group, self._process_cache(group))
                 self.workers |= dict.fromkeys(group, worker)
         except BaseException:
             self.close()
@@ -178,12 +217,16 @@ class PerfSession:
     def processes(self) -> list[Worker]:
         return list({id(w): w for w in self.workers.values()}.values())
 
-    def _process_cache(self, name: str) -> Path:
-        """A compile cache of the measuring process's own, seeded from this machine's before any
-        side's process starts: nothing one process writes into it reaches another."""
-        cache, seed = Path(self._tmp) / f"{name}-cache", jit.cache_dir()
-        if seed.is_dir():
-            shutil.copytree(seed, cache, symlinks=True)
+    def _process_cache(self, group: dict[str, Path]) -> Path:
+        """A compile cache of the measuring process's own, a directory a side (``worker.load_sides``),
+        each seeded from this machine's before any side's process starts: nothing one process or
+        side writes into its cache reaches another's."""
+        cache, seed = Path(self._tmp) / f"{'-'.join(group)}-cache", jit.cache_dir()
+        for name in group:
+            if seed.is_dir():
+                shutil.copytree(seed, cache / name, symlinks=True)
+            else:
+                (cache / name).mkdir(parents=True)
         return cache
 
     @property
@@ -324,4 +367,6 @@ class PerfSession:
         for worker in self.processes:
             worker.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
-        self.judge_changed = tree_guard.changed(self._fingerprint, tree_guard.fingerprint(self._guarded))
+        after = tree_guard.fingerprint(self._guarded, self._unguarded)
+        self.judge_changed = tree_guard.changed(self._fingerprint, after)
+        sys.pycache_prefix = self._pycache_prefix

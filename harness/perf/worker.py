@@ -17,6 +17,7 @@ stdout; anything else printed (by the side's code, bitsandbytes, transformers) g
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -33,14 +34,14 @@ class Worker:
         # The judge's code, loaded before any side's.
         from harness.correctness import qlora
         from harness.correctness.bitcompare import poison_
-        from harness.perf import gpu_info, gpu_timer, sides, stage
+        from harness.perf import gpu_info, gpu_timer, stage
 
         self.torch, self.qlora, self.poison_, self.gpu_timer, self.stage = torch, qlora, poison_, gpu_timer, stage
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
         self.own_flush = self.timer.flush_buffer  # replaced by the judge's while a case is lent
-        self.sides = {name: sides.Side(name, root) for name, root in side_roots.items()}
+        self.sides = load_sides(side_roots)
         self.lent: dict[str, object] = {}
         self.e2e = None
 
@@ -157,6 +158,26 @@ def serve(worker: Worker, requests, replies) -> None:
             reply = {"error": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
+
+
+def load_sides(side_roots: dict[str, Path]) -> dict:
+    """Each side's package (``sides.Side``), its kernel sources and compile cache fixed as it loads
+    (``jit.pin_paths``): its own ``kernels/`` and a cache directory of its own under this process's,
+    so that no side's code, whatever it does to the environment, redirects another side's compiles
+    or hands it compiled kernels."""
+    from harness import settings
+    from harness.perf import sides
+
+    cache = Path(settings.CACHE_DIR.get() or Path.cwd() / "cache")
+    loaded = {}
+    for name, root in side_roots.items():
+        os.environ.pop(settings.KERNELS_DIR.name, None)
+        os.environ[settings.CACHE_DIR.name] = str(cache / name)
+        side = loaded[name] = sides.Side(name, root)
+        with side.active():
+            importlib.import_module("harness.runtime.jit").pin_paths()
+    os.environ[settings.CACHE_DIR.name] = str(cache)
+    return loaded
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,11 +54,24 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.MULTI
 INSTALLED_KERNELS = "nf4-harness-kernels"
 
 
+# Set by pin_paths: the directories this module keeps whatever the environment says later.
+_pinned: dict[str, Path] = {}
+
+
+def pin_paths() -> None:
+    """Fix this module's kernels and cache directories at what they are now: a later change to the
+    environment (code of another checkout loaded into the same process, as a perf session's shared
+    measuring process does) no longer moves them."""
+    _pinned.update(kernels=kernels_dir(), cache=cache_dir())
+
+
 def kernels_dir() -> Path:
-    """Directory holding the CUDA sources: an override; in a source checkout (run from the tree or
-    installed editable) its own ``kernels/``; else the copy the wheel installed beside the package.
-    A checkout never reads an installed copy, so nothing added beside it can stand in for its
-    kernels/."""
+    """Directory holding the CUDA sources: where ``pin_paths`` fixed it; an override; in a source
+    checkout (run from the tree or installed editable) its own ``kernels/``; else the copy the wheel
+    installed beside the package. A checkout never reads an installed copy, so nothing added beside
+    it can stand in for its kernels/."""
+    if pinned := _pinned.get("kernels"):
+        return pinned
     if env := settings.KERNELS_DIR.get():
         return Path(env)
     root = Path(__file__).resolve().parents[2]
@@ -68,6 +81,8 @@ def kernels_dir() -> Path:
 
 
 def cache_dir() -> Path:
+    if pinned := _pinned.get("cache"):
+        return pinned
     if env := settings.CACHE_DIR.get():
         return Path(env)
     import platformdirs

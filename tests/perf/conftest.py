@@ -77,6 +77,7 @@ def perf_session(request, run_seed):
         seed=run_seed,
         references=not opt("--no-references"),
         isolation=policy.Isolation(opt("--isolation")),
+        output_dirs=(Path(opt("--perf-out")),),
     )
     request.config.stash[SESSION_KEY] = session
     try:
