@@ -102,7 +102,8 @@ def _status(session: PerfSession) -> int:
 # kernels/NOTES.md, "The sides' processes", so an unchanged candidate can end SLOWER or FASTER on
 # a small case; what is asserted is that no base carries the attack's 100 µs a call, which on the
 # attack's cases of a few µs reads as a ratio under 0.2); the judge's process, apart from every
-# side's, the fourth; the judge's file guard catches the fifth.
+# side's, the fourth; the judge's file guard catches the fifth; the sixth slows only its own
+# dequantization (each side's kernel sources are fixed as it loads), which the gate calls SLOWER.
 # Candidate over base: a base slowed by the reach-base attack's 100 µs a call reads under 0.2 on the
 # attack's cases; the sides' processes shift by a few percent.
 REACH_RATIO_FLOOR = 0.5
@@ -112,6 +113,7 @@ ATTACK_OUTCOMES = {
     "reach-base": (None, policy.Isolation.PER_SIDE),
     "reach-judge": (gate.EXIT_OK, policy.ISOLATION),
     "edit-judge": (gate.EXIT_JUDGE_CHANGED, policy.ISOLATION),
+    "redirect": (gate.EXIT_REGRESSION, policy.ISOLATION),
 }
 
 
@@ -134,3 +136,5 @@ def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_s
         assert set(verdicts.values()) == {Verdict.SAME}, verdicts
     if attack == "edit-judge":
         assert str(base / "kernels" / "dequantize_4bit.cu") in session.judge_changed
+    if attack == "redirect":  # the candidate's dequantization slowed, the base's and the matmul not
+        assert verdicts == {ATTACK_CASE_IDS[0]: Verdict.SLOWER, ATTACK_CASE_IDS[1]: Verdict.SAME}, verdicts

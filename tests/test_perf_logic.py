@@ -460,6 +460,7 @@ ATTACKED_FILES = {
     "reach-base": ["harness/__init__.py"],
     "reach-judge": ["harness/__init__.py"],
     "edit-judge": ["harness/__init__.py"],
+    "redirect": ["harness/__init__.py"],
 }
 
 
@@ -779,3 +780,28 @@ def test_the_judge_imports_its_late_modules_before_any_side_runs():
                     late.add(node.module.split(".")[0])
     late -= {*sys.stdlib_module_names, "harness", "tests"}
     assert late and late <= {name.split(".")[0] for name in session.JUDGE_LATE_IMPORTS}, late
+
+
+def test_the_redirect_attack_moves_its_own_sides_kernel_sources_to_a_slowed_copy_and_not_the_bases(tmp_path):
+    """The attack loaded as a measuring process loads it (the GPU test's SLOWER verdict rests on a
+    payload that really points the candidate's compiles at slowed sources): the candidate's
+    dequantization source is the planted one, the base's its own."""
+    from harness.perf.session import JUDGE_ROOT
+    from tests.perf import adversarial, planted
+
+    roots = {"base": planted.copy_checkout(JUDGE_ROOT, tmp_path / "base")}
+    roots["candidate"] = adversarial.build(JUDGE_ROOT, tmp_path / "cand", "redirect")
+    probe = textwrap.dedent(f"""
+        from pathlib import Path
+        from harness.perf import worker
+        loaded = worker.load_sides({{n: Path(r) for n, r in {[(n, str(r)) for n, r in roots.items()]!r}}})
+        for name, side in loaded.items():
+            with side.active():
+                from harness.runtime import jit
+                print(name, 'PLANTED SLOWDOWN' in (jit.kernels_dir() / 'dequantize_4bit.cu').read_text())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NF4_HARNESS_")}
+    env |= {"NF4_HARNESS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(JUDGE_ROOT)}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.split("\n")[:2]) == ["base False", "candidate True"]

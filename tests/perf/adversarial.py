@@ -14,6 +14,9 @@ the product. Each must end in a red gate or an unchanged verdict, never a green 
                   of its judge's measuring processes (its own and its siblings'), plants a
                   slowdown in the base's kernel source (which the base compiles on its first
                   call) and puts the file back when it exits
+    redirect      the package's ``__init__`` points the process's kernel sources and compile
+                  cache at a copy of its kernels with a slowed dequantization kernel, for every
+                  side's compiles after it
 
     python -m tests.perf.adversarial DEST ATTACK
 """
@@ -154,7 +157,31 @@ def _adversarial_edit_judge():
 _adversarial_edit_judge()
 """
 
-ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge")
+_REDIRECT = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): every later compile in this process from slowed sources.
+def _adversarial_redirect():
+    import os
+    import pathlib
+    import shutil
+    import sys
+    import tempfile
+
+    sys.path.insert(0, PLANTED_DIR)
+    import planted
+
+    slowed = pathlib.Path(tempfile.mkdtemp(prefix="nf4-redirect-")) / "kernels"
+    shutil.copytree(pathlib.Path(__file__).resolve().parent.parent / "kernels", slowed)
+    source = slowed / "dequantize_4bit.cu"
+    source.write_text(planted.planted_source(source.read_text(), 0.5))
+    os.environ["NF4_HARNESS_KERNELS_DIR"] = str(slowed)
+    os.environ["NF4_HARNESS_CACHE_DIR"] = str(slowed.parent / "cache")
+
+
+_adversarial_redirect()
+"""
+
+ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge", "redirect")
 _DROP_INS = ((Path("harness/runtime/api.py"), "dequantize_4bit"), (Path("harness/runtime/api.py"), "matmul_4bit"))
 
 
@@ -171,8 +198,9 @@ def build(source_root: Path, dest: Path, attack: str) -> Path:
         init.write_text(init.read_text() + _REACH_BASE)
     elif attack == "reach-judge":
         init.write_text(init.read_text() + _REACH_JUDGE)
-    elif attack == "edit-judge":
-        init.write_text(init.read_text() + _EDIT_JUDGE.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
+    elif attack in ("edit-judge", "redirect"):
+        payload = _EDIT_JUDGE if attack == "edit-judge" else _REDIRECT
+        init.write_text(init.read_text() + payload.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
     else:
         raise ValueError(f"no such attack {attack!r}: one of {ATTACKS}")
     return root
