@@ -251,7 +251,7 @@ def _fake_session(ab: bool = True):
         judgements=judgements,
         copy_gbps=3000.0,
         gpu=GPU,
-        host_overhead_us={"ours": 19.0},
+        host_overhead_us={"dequantize": {"ours": 19.0}, "matmul": {"ours": 21.5}},
         schedule=policy.SCHEDULE,
         started=0.0,
         judge_changed=[],
@@ -266,6 +266,8 @@ def test_summary_table_drops_columns_nobody_has(tmp_path, monkeypatch):
     out = report.write_outputs(session, {}, "drift check: not run", gate.EXIT_OK, tmp_path / "out")
     md = out["markdown"].read_text()
     assert "cand/base" in md and "SAME" in md and "gate: PASS" in md and "drift %" not in md
+    assert "host time per call, dequantize (candidate" in md and "host time per call, matmul (candidate" in md
+    assert "ours 21.5 µs" in md
     assert step.read_text() == md
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     alone = report.render(_fake_session(ab=False), {}, "drift check: not run", gate.EXIT_OK, "simple")
@@ -805,3 +807,28 @@ def test_the_redirect_attack_moves_its_own_sides_kernel_sources_to_a_slowed_copy
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert sorted(run.stdout.split("\n")[:2]) == ["base False", "candidate True"]
+
+
+def test_every_case_kind_gives_its_host_calls_through_its_drop_in():
+    """The host-time table names no op: each kind's calls go through the entry the side lends."""
+    called = []
+
+    class DropIns:
+        def dequantize_4bit(self, *args, **kwargs):
+            called.append(("dequantize_4bit", "out" in kwargs))
+
+        def matmul_4bit(self, *args, **kwargs):
+            called.append(("matmul_4bit", "out" in kwargs))
+
+    t = torch.zeros(4, 2)
+    for kind in stage.KINDS:
+        lent = stage.Lent(kind, t, SimpleNamespace(shape=(4, 2)), t, t, t, t, t)
+        calls = lent.host_calls(DropIns())
+        assert {"ours", "ours out=", "bnb full"} == set(calls)
+        calls["ours"](), calls["ours out="]()
+    assert called == [
+        ("dequantize_4bit", False),
+        ("dequantize_4bit", True),
+        ("matmul_4bit", False),
+        ("matmul_4bit", True),
+    ]

@@ -148,10 +148,10 @@ def header_lines(session, drift_line: str, status: int) -> list[str]:
         f"copy bandwidth this run: {session.copy_gbps:.0f} GB/s (read + write); "
         f"NVML theoretical: {gpu.get('theoretical_gbps') or 0:.0f} GB/s",
     ]
-    if session.host_overhead_us:
+    for kind, host_us in session.host_overhead_us.items():
         lines.append(
-            "host time per call (candidate; validation + launch, no GPU wait): "
-            + ", ".join(f"{k} {v:.1f} µs" for k, v in session.host_overhead_us.items())
+            f"host time per call, {kind} (candidate; validation + launch, no GPU wait): "
+            + ", ".join(f"{k} {v:.1f} µs" for k, v in host_us.items())
         )
     if session.judgements:
         classes = ", ".join(f"{c.name} {100 * c.threshold:.1f}%" for c in policy.SIZE_CLASSES)

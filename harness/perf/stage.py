@@ -62,6 +62,18 @@ class DequantizeCases:
     def agrees(self, output: torch.Tensor, expected: torch.Tensor) -> bool:
         return torch.equal(bitcompare.int_view(output), bitcompare.int_view(expected))
 
+    def host_calls(self, lent: Lent, drop_ins) -> dict[str, Callable[[], object]]:
+        """The calls whose host time a session reports: the drop-in allocating its output, writing
+        into the lent one, and bitsandbytes' own."""
+        import bitsandbytes.functional as F
+
+        A, qs, out, entry = lent.A, lent.qs, lent.out, drop_ins.dequantize_4bit
+        return {
+            "ours": lambda: entry(A, qs),
+            "ours out=": lambda: entry(A, qs, out=out),
+            "bnb full": lambda: F.dequantize_4bit(A, qs),
+        }
+
     def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
         """bitsandbytes' kernel alone (fp32 scales) and its full ``dequantize_4bit``."""
         import bitsandbytes.functional as F
@@ -109,6 +121,17 @@ class MatmulCases:
     def agrees(self, output: torch.Tensor, expected: object) -> bool:
         return matmul_reference.judge(output, expected).ok
 
+    def host_calls(self, lent: Lent, drop_ins) -> dict[str, Callable[[], object]]:
+        """As ``DequantizeCases.host_calls``, for ``matmul_4bit``."""
+        import bitsandbytes
+
+        x, B, qs, out, entry = lent.x, lent.A.t(), lent.qs, lent.out, drop_ins.matmul_4bit
+        return {
+            "ours": lambda: entry(x, B, qs),
+            "ours out=": lambda: entry(x, B, qs, out=out),
+            "bnb full": lambda: bitsandbytes.matmul_4bit(x, B, qs),
+        }
+
     def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
         """bitsandbytes' full ``matmul_4bit`` (its kernel alone has no counterpart here)."""
         import bitsandbytes
@@ -150,6 +173,10 @@ class Lent:
         """The timed call of the case's drop-in from ``drop_ins`` (a side, or a ``harness``
         package), as a user makes it, writing into the lent output buffer."""
         return KINDS[self.kind].call(self, drop_ins)
+
+    def host_calls(self, drop_ins) -> dict[str, Callable[[], object]]:
+        """The case kind's calls whose host time a session reports (``host_calls`` of the kind)."""
+        return KINDS[self.kind].host_calls(self, drop_ins)
 
 
 def borrow(lent: str) -> Lent:

@@ -85,19 +85,14 @@ class Worker:
         return {"samples_s": m.samples_s, "discarded": m.discarded}
 
     def op_host_overhead(self, side: str, calls: int = 500) -> dict:
-        """Host time per call, queue never full: the side's dequantization (allocating and with
-        out=), bitsandbytes' full path, and two floors every caller pays on this host: allocating
-        the output alone and one bare cuda-python launch (the timer's blocking kernel, released)."""
-        import bitsandbytes.functional as F
-
+        """Host time per call, queue never full, of the borrowed case's calls (its kind's
+        ``host_calls``: the side's drop-in allocating and with out=, bitsandbytes' full path) and of
+        two floors every caller pays on this host: allocating the output alone and one bare
+        cuda-python launch (the timer's blocking kernel, released)."""
         torch, lent, chosen = self.torch, self.lent[side], self.sides[side]
-        A, qs, out = lent.A, lent.qs, lent.out
-        dequantize = chosen.dequantize_4bit
-        fns = {
-            "ours": lambda: dequantize(A, qs),
-            "ours out=": lambda: dequantize(A, qs, out=out),
-            "bnb full": lambda: F.dequantize_4bit(A, qs),
-            "floor: new_empty": lambda: A.new_empty(qs.shape, dtype=qs.dtype),
+        out = lent.out
+        fns = lent.host_calls(chosen) | {
+            "floor: new_empty": lambda: out.new_empty(out.shape),
             "floor: bare launch": self.timer.bare_launch(),
         }
         with chosen.active():
