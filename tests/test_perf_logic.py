@@ -832,3 +832,15 @@ def test_every_case_kind_gives_its_host_calls_through_its_drop_in():
         ("matmul_4bit", False),
         ("matmul_4bit", True),
     ]
+
+
+def test_a_measuring_process_keeps_the_judges_checkout_on_its_path_with_pythonsafepath_set(tmp_path):
+    """Where the caller runs Python with PYTHONSAFEPATH, `-c` puts no working directory first:
+    nothing else is taken off the path (the judge's checkout stays first)."""
+    from harness.perf import session
+
+    argv, cwd, env = session.worker_command({}, tmp_path, "json.tool")
+    probe = [argv[0], "-c", session.RUN_MODULE.replace("runpy.run_module", "print(sys.path[0]) or (lambda *a, **k: 0)")]
+    run = subprocess.run([*probe, "x"], cwd=cwd, env=env | {"PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == str(session.JUDGE_ROOT)

@@ -44,9 +44,10 @@ HOST_CASE_ELEMENTS = 1 << 23
 
 
 # Runs a module as `python -m` does, without the working directory on the import path (what
-# Python 3.11's -P does, on 3.10 too).
+# Python 3.11's -P does, on 3.10 too): `-c` puts it first as "" (nothing where PYTHONSAFEPATH is set).
 RUN_MODULE = (
-    "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+    "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
 )
 
 
@@ -221,9 +222,9 @@ class PerfSession:
         return list({id(w): w for w in self.workers.values()}.values())
 
     def _process_cache(self, group: dict[str, Path]) -> Path:
-        """A compile cache of the measuring process's own, a directory a side (``worker.load_sides``),
-        each seeded from this machine's before any side's process starts: nothing one process or
-        side writes into its cache reaches another's."""
+        """The measuring process's own compile cache, with a directory for each of its sides
+        (``worker.load_sides``), each seeded from this machine's before any side's process starts:
+        nothing one process or side writes into its cache reaches another's."""
         cache, seed = Path(self._tmp) / f"{'-'.join(group)}-cache", jit.cache_dir()
         for name in group:
             if seed.is_dir():
