@@ -362,6 +362,11 @@ def _output(lent: stage.Lent, variant: int) -> torch.Tensor:
     return torch.nn.functional.linear(lent.x, W) if lent.kind == "matmul" else W
 
 
+def test_a_matmul_case_has_a_reference_of_its_own_and_a_dequantization_takes_its_first_sides():
+    """What decides whether a session alone judges a side's prepared outputs (``own_reference``)."""
+    assert {kind: _prepared_stage(kind).own_reference for kind in stage.KINDS} == {"dequantize": False, "matmul": True}
+
+
 @pytest.mark.parametrize("kind", ["dequantize", "matmul"])
 def test_a_lent_case_calls_its_own_drop_in_as_a_user_does(kind):
     lent = _prepared_stage(kind).lent_to("scratch")

@@ -280,7 +280,7 @@ class PerfSession:
         result = KernelResult(case)
         agree = self._prepare(case)
         try:
-            if self.ab or case.kind == "matmul":  # a matmul is judged against its bound even alone
+            if self.ab or self._stage.own_reference:  # judged against a reference of its own even alone
                 result.prepared_agree = agree
             if case.kind not in self.host_overhead_us and case.numel <= HOST_CASE_ELEMENTS:
                 overhead = self.workers["candidate"].call("host_overhead", side="candidate")

@@ -214,6 +214,9 @@ class Stage:
         self.lent = {"kind": self.kind, "A": A, "qs": qs, "x": x, "out": out, "variants": variants, "flush": flush}
         self.evidence: dict[str, torch.Tensor] = {}
         self.expected: list[object] | None = self.cases.references(self.lent)
+        # Whether the case has a reference of its own (a side's prepared outputs are judged even
+        # without another side), or its first prepared side's outputs are the reference.
+        self.own_reference = self.expected is not None
 
     def lent_to(self, side: str) -> Lent:
         """The case's buffers with a new evidence buffer of ``side``'s own."""
