@@ -32,17 +32,24 @@ def matmul_bytes(n: int, k: int, tokens: int, blocksize: int = 64, nested: bool 
 
 @dataclass(frozen=True)
 class KernelCase:
+    """What every case kind shares: one quantized weight and its format. Each kind (a subclass)
+    names the drop-in call it times (``kind``: ``harness.perf.stage.KINDS``), its id and its bytes."""
+
     weight: shapes.WeightShape
     dtype: str  # fp16 / bf16 / fp32
     scales: str  # nested / plain
     quant: str = "nf4"
     blocksize: int = 64
 
-    kind = "dequantize"  # the drop-in call a case times (the measuring process dispatches on it)
+    kind = ""  # the subclass's
+
+    @property
+    def weight_id(self) -> str:
+        return f"{self.weight.id}-{self.quant}-{self.dtype}-bs{self.blocksize}-{self.scales}"
 
     @property
     def id(self) -> str:
-        return f"{self.weight.id}-{self.quant}-{self.dtype}-bs{self.blocksize}-{self.scales}"
+        raise NotImplementedError
 
     @property
     def numel(self) -> int:
@@ -70,13 +77,27 @@ class KernelCase:
         }
 
     def bytes_moved(self) -> int:
-        """Fewest bytes the dequantization must move: packed input, output, scales."""
-        return packed_bytes(self.numel, self.blocksize, self.nested) + self.numel * self.itemsize
+        raise NotImplementedError
 
     @property
     def itemsize(self) -> int:
         """Bytes per element of the output (and, for a matmul, of the activations)."""
         return 4 if self.dtype == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class DequantizeCase(KernelCase):
+    """``harness.dequantize_4bit(W, state)``."""
+
+    kind = "dequantize"
+
+    @property
+    def id(self) -> str:
+        return self.weight_id
+
+    def bytes_moved(self) -> int:
+        """Fewest bytes the dequantization must move: packed input, output, scales."""
+        return packed_bytes(self.numel, self.blocksize, self.nested) + self.numel * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -89,7 +110,7 @@ class MatmulCase(KernelCase):
 
     @property
     def id(self) -> str:
-        return f"matmul-{super().id}-m{self.tokens}"
+        return f"matmul-{self.weight_id}-m{self.tokens}"
 
     def spec(self, seed: int) -> dict:
         return super().spec(seed) | {"tokens": self.tokens}
@@ -108,9 +129,9 @@ def matmul_cases() -> list[MatmulCase]:
     return [MatmulCase(w, "bf16", "nested", tokens=m) for w in weights for m in MATMUL_TOKENS]
 
 
-def kernel_cases() -> list[KernelCase]:
+def kernel_cases() -> list[DequantizeCase]:
     out = [
-        KernelCase(w, dtype, scales)
+        DequantizeCase(w, dtype, scales)
         for w in shapes.model_shapes()
         for dtype in ("fp16", "bf16")
         for scales in ("nested", "plain")
@@ -118,12 +139,12 @@ def kernel_cases() -> list[KernelCase]:
     by_id = {w.id: w for w in shapes.model_shapes()}
     gate, q, k = by_id["llama-3.3-70b.gate_proj"], by_id["qwen3-32b.q_proj"], by_id["qwen3-32b.k_proj"]
     out += [
-        KernelCase(gate, "fp16", "nested", "fp4"),
-        KernelCase(gate, "fp32", "nested"),
-        KernelCase(q, "fp16", "nested", blocksize=128),
-        KernelCase(q, "fp16", "nested", blocksize=4096),
-        KernelCase(k, "fp16", "nested", "fp4"),
-        KernelCase(k, "fp32", "plain"),
+        DequantizeCase(gate, "fp16", "nested", "fp4"),
+        DequantizeCase(gate, "fp32", "nested"),
+        DequantizeCase(q, "fp16", "nested", blocksize=128),
+        DequantizeCase(q, "fp16", "nested", blocksize=4096),
+        DequantizeCase(k, "fp16", "nested", "fp4"),
+        DequantizeCase(k, "fp32", "plain"),
     ]
     return out
 
