@@ -266,7 +266,8 @@ def _candidate_tree(session: nox.Session, candidate: str) -> Path:
 # candidate's.
 JUDGE_OWNS = ("harness/correctness", "harness/perf", "harness/compile_check")
 CANDIDATE_OWNS = ("kernels",)  # beside the harness entries JUDGE_OWNS does not name
-PROVEN_IMPORTS = ("harness", "harness.runtime", "harness.correctness", "harness.perf", "harness.compile_check")
+# The packages the tree's proof imports: the candidate's two, then JUDGE_OWNS in its order.
+PROVEN_IMPORTS = ("harness", "harness.runtime", *(p.replace("/", ".") for p in JUDGE_OWNS))
 
 
 def candidate_tree(judge: Path, candidate: Path, tree: Path) -> Path:

@@ -1,6 +1,6 @@
-// Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8): out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
-// W in the bitsandbytes packed format (kernels/dequantize_4bit.cu states it) decoded in registers,
-// never written out. More tokens run matmul_4bit.cu (matmul_4bit_sm90.cu on Hopper);
+// Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8): out[m, n] =
+// sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed format (kernels/dequantize_4bit.cu
+// states it) decoded in registers, never written out. More tokens run matmul_4bit.cu (matmul_4bit_sm90.cu on Hopper);
 // matmul_4bit_common.cuh holds the macros, the host contract and the arithmetic they share.
 //
 // mma.sync.m16n8k16 (sm80-sm90) with the weights as operand A (16 output features x 16 k) and the

@@ -1,10 +1,9 @@
 // Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8) of a weight with
-// nested scales: out[m, n] =
-// sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed format (kernels/dequantize_4bit.cu
-// states it), never written out. Plain scales run matmul_4bit_m8.cu (this arithmetic measured less
-// accurate than bitsandbytes' there: kernels/NOTES.md); more tokens matmul_4bit.cu
-// (matmul_4bit_sm90.cu on Hopper); matmul_4bit_common.cuh holds the macros, the host contract, the
-// mma and the epilogue they share.
+// nested scales: out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed
+// format (kernels/dequantize_4bit.cu states it), never written out. Plain scales run
+// matmul_4bit_m8.cu (this arithmetic measured less accurate than bitsandbytes' there:
+// kernels/NOTES.md); more tokens matmul_4bit.cu (matmul_4bit_sm90.cu on Hopper);
+// matmul_4bit_common.cuh holds the macros, the host contract, the mma and the epilogue they share.
 //
 // Arithmetic (differs from the wider kernels, which multiply dequantized weights): a weight's code
 // is rounded once to A's dtype, multiplied by the activations in mma.sync (exact products, fp32
@@ -25,16 +24,17 @@
 // table per scale block; this costs 1.25 per weight (2.71 a weight in all, 4.58 before: NOTES).
 //
 // Layout: mma.sync.m16n8k16, weights as operand A (16 features x 16 k), activations as operand B
-// (16 k x 8 tokens; at 16 tokens each decoded fragment feeds the mmas of both token tiles). One warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and
-// g + 8. A chunk (CHUNK_K k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the
-// chunk's k t * CHUNK_K / 4 .. + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and
-// mma j takes its codes 4j .. 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j
-// are k 4j + {0, 1} and 4j + {2, 3} of lane t's run, identically for both operands.
+// (16 k x 8 tokens; at 16 tokens each decoded fragment feeds the mmas of both token tiles). One
+// warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and g + 8. A chunk (CHUNK_K
+// k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the chunk's k t * CHUNK_K / 4 ..
+// + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and mma j takes its codes 4j ..
+// 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j are k 4j + {0, 1} and
+// 4j + {2, 3} of lane t's run, identically for both operands.
 #define STEP_K 256  // k one warp covers per step
 #include "matmul_4bit_common.cuh"
 
-#if MM_TOKENS != 8 && MM_TOKENS != 16 && MM_TOKENS != 32
-#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8, 16 or 32"
+#if MM_TOKENS != 8 && MM_TOKENS != 16
+#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8 or 16 (more: the wide-tile kernels)"
 #endif
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower). NOTES.
@@ -188,7 +188,7 @@ static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % AC
 // rows' first k on (rows past M: none). Its slot and k are formed again each step: registers held
 // through the main loop are the scarce ones.
 struct ActSource {
-    int from;  // the first row's piece, elements from A (this kernel's M is at most 32 rows: no overflow)
+    int from;  // the first row's piece, elements from A (this kernel's M is at most 16 rows: no overflow)
     int rows;  // of the thread's rows, those inside M; each next one ACT_ROW_STRIDE * K elements on
 };
 
@@ -249,7 +249,8 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
         for (int v = 0; v < S::words; ++v) {  // word v of the run: mmas 2v and 2v + 1 of each token tile
             uint4 act[NT8];  // piece v of the run in each token tile's row g
 #pragma unroll
-            for (int i = 0; i < NT8; ++i) act[i] = tile[act_slot<kChunk>(ln.g + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
+            for (int i = 0; i < NT8; ++i)
+                act[i] = tile[act_slot<kChunk>(ln.g + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
             const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
             const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
             const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};

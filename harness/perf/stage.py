@@ -52,27 +52,15 @@ class DequantizeCases:
     def live(self, lent: Lent) -> torch.Tensor:
         return lent.qs.absmax
 
-    def call(self, lent: Lent, drop_ins) -> Callable[[], torch.Tensor]:
+    def call(self, lent: Lent, drop_ins, into_out: bool = True) -> Callable[[], torch.Tensor]:
         A, qs, out, entry = lent.A, lent.qs, lent.out, drop_ins.dequantize_4bit
-        return lambda: entry(A, qs, out=out)
+        return (lambda: entry(A, qs, out=out)) if into_out else (lambda: entry(A, qs))
 
     def references(self, lent: dict) -> list[object] | None:
         return None  # the first prepared side's outputs
 
     def agrees(self, output: torch.Tensor, expected: torch.Tensor) -> bool:
         return torch.equal(bitcompare.int_view(output), bitcompare.int_view(expected))
-
-    def host_calls(self, lent: Lent, drop_ins) -> dict[str, Callable[[], object]]:
-        """The calls whose host time a session reports: the drop-in allocating its output, writing
-        into the lent one, and bitsandbytes' own."""
-        import bitsandbytes.functional as F
-
-        A, qs, out, entry = lent.A, lent.qs, lent.out, drop_ins.dequantize_4bit
-        return {
-            "ours": lambda: entry(A, qs),
-            "ours out=": lambda: entry(A, qs, out=out),
-            "bnb full": lambda: F.dequantize_4bit(A, qs),
-        }
 
     def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
         """bitsandbytes' kernel alone (fp32 scales) and its full ``dequantize_4bit``."""
@@ -105,9 +93,9 @@ class MatmulCases:
     def live(self, lent: Lent) -> torch.Tensor:
         return lent.x
 
-    def call(self, lent: Lent, drop_ins) -> Callable[[], torch.Tensor]:
+    def call(self, lent: Lent, drop_ins, into_out: bool = True) -> Callable[[], torch.Tensor]:
         x, B, qs, out, entry = lent.x, lent.A.t(), lent.qs, lent.out, drop_ins.matmul_4bit
-        return lambda: entry(x, B, qs, out=out)
+        return (lambda: entry(x, B, qs, out=out)) if into_out else (lambda: entry(x, B, qs))
 
     def references(self, lent: dict) -> list[object]:
         """Each variant's fp64 reference (bitsandbytes' dequantized weights where the kernel
@@ -120,17 +108,6 @@ class MatmulCases:
 
     def agrees(self, output: torch.Tensor, expected: object) -> bool:
         return matmul_reference.judge(output, expected).ok
-
-    def host_calls(self, lent: Lent, drop_ins) -> dict[str, Callable[[], object]]:
-        """As ``DequantizeCases.host_calls``, for ``matmul_4bit``."""
-        import bitsandbytes
-
-        x, B, qs, out, entry = lent.x, lent.A.t(), lent.qs, lent.out, drop_ins.matmul_4bit
-        return {
-            "ours": lambda: entry(x, B, qs),
-            "ours out=": lambda: entry(x, B, qs, out=out),
-            "bnb full": lambda: bitsandbytes.matmul_4bit(x, B, qs),
-        }
 
     def bitsandbytes_calls(self, lent: dict, names: list[str], device: torch.device) -> dict:
         """bitsandbytes' full ``matmul_4bit`` (its kernel alone has no counterpart here)."""
@@ -175,8 +152,15 @@ class Lent:
         return KINDS[self.kind].call(self, drop_ins)
 
     def host_calls(self, drop_ins) -> dict[str, Callable[[], object]]:
-        """The case kind's calls whose host time a session reports (``host_calls`` of the kind)."""
-        return KINDS[self.kind].host_calls(self, drop_ins)
+        """The calls whose host time a session reports: the case's drop-in allocating its output
+        and writing into the lent one, and bitsandbytes' full call, as its kind makes them."""
+        kind = KINDS[self.kind]
+        bitsandbytes_full = kind.bitsandbytes_calls(vars(self), ["bnb_full"], self.out.device)["bnb_full"]
+        return {
+            "ours": kind.call(self, drop_ins, into_out=False),
+            "ours out=": kind.call(self, drop_ins),
+            "bnb full": bitsandbytes_full,
+        }
 
 
 def borrow(lent: str) -> Lent:

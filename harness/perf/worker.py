@@ -85,8 +85,8 @@ class Worker:
         return {"samples_s": m.samples_s, "discarded": m.discarded}
 
     def op_host_overhead(self, side: str, calls: int = 500) -> dict:
-        """Host time per call, queue never full, of the borrowed case's calls (its kind's
-        ``host_calls``: the side's drop-in allocating and with out=, bitsandbytes' full path) and of
+        """Host time per call, queue never full, of the borrowed case's calls
+        (``Lent.host_calls``: the side's drop-in allocating and with out=, bitsandbytes' full path) and of
         two floors every caller pays on this host: allocating the output alone and one bare
         cuda-python launch (the timer's blocking kernel, released)."""
         torch, lent, chosen = self.torch, self.lent[side], self.sides[side]

@@ -299,12 +299,12 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
-    # Two splits added in a cluster: what each kernel's grid below may give way to.
-    pair_n, pair_steps = shape(2)
-    pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
     if tokens in DECODE_TILES and blocks_per_sm < BUSIEST_SM_BLOCKS:
         options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
         return min(options, key=lambda option: option[0])[1]
+    # Two splits added in a cluster: what each kernel's grid below may give way to.
+    pair_n, pair_steps = shape(2)
+    pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
         pair_pays = (
