@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import settings
 from harness.perf import catalog, gate, policy, stage
 from harness.perf.gate import Verdict
 from harness.perf.session import JUDGE_ROOT, PerfSession
@@ -52,9 +53,16 @@ def _compiled():
     torch.cuda.synchronize(device)
 
 
+# The perf report's directory in the judge's checkout: the suite's perf modules (tests/perf) write
+# their report there while these sessions run beside them, as a perf session's own output does.
+REPORT_DIR = JUDGE_ROOT / settings.PERF_OUT.default
+
+
 def _session(candidate, run_seed, base=JUDGE_ROOT, case_ids=CASE_IDS, isolation=policy.ISOLATION) -> PerfSession:
     cases = _cases(case_ids)
-    session = PerfSession(candidate, base, seed=run_seed, references=False, isolation=isolation)
+    session = PerfSession(
+        candidate, base, seed=run_seed, references=False, isolation=isolation, output_dirs=(REPORT_DIR,)
+    )
     try:
         for case in cases:
             session.measure_kernel(case)

@@ -736,9 +736,7 @@ def test_bytecode_planted_beside_a_module_is_not_what_a_private_bytecode_directo
     """A .pyc a side writes beside one of the judge's modules, valid for its source (size and time
     in its header) but holding other code, runs where Python reads bytecode from the checkout, and
     not where it reads it from a directory of its own (the judge's and the measuring processes')."""
-    import importlib.util
     import py_compile
-    from pathlib import Path
 
     from harness.perf import session
 
@@ -750,7 +748,9 @@ def test_bytecode_planted_beside_a_module_is_not_what_a_private_bytecode_directo
     stat = source.stat()
     decoy = tmp_path / "decoy.py"
     decoy.write_text("VERDICT = 'bad'\n")  # the same size as the source: the header will match it
-    planted_pyc = Path(importlib.util.cache_from_source(str(source)))
+    # Beside the module, where Python reads it without a prefix (cache_from_source would follow this
+    # process's sys.pycache_prefix, which a perf session open in the same test process sets).
+    planted_pyc = package / "__pycache__" / f"verdict.{sys.implementation.cache_tag}.pyc"
     planted_pyc.parent.mkdir()
     os.utime(decoy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     py_compile.compile(str(decoy), cfile=str(planted_pyc), invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
