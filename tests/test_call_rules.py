@@ -1,17 +1,18 @@
 """One source for the call's rules: the same battery through every path that validates.
 
-No GPU needed. The compiled host path is bound to host tensors (its ``cpu`` backend) with inert
-driver entry points, and asked what it would launch (``describe``) instead of launching; the
-Python path is asked the same (``dequantize.check_call`` + ``dequantize.launch_of``, the launch
-``dequantize_packed`` makes). For every valid call both must choose the same variant, tiling, grid,
-block and kernel arguments, slot for slot; for every
-bad call the Python path must name the broken rule and the compiled path must decline. The
-registered op's fake implementation (what ``torch.compile`` traces) runs the battery on fake CUDA
-tensors.
+No GPU needed. Both host paths take host tensors here (``operands.DEVICE_TYPE`` set to "cpu", which
+the compiled path reads when it is bound), the compiled one with inert driver entry points, and
+asked what it would launch (``describe``) instead of launching; the Python path is asked the same
+(``dequantize.check_call`` + ``dequantize.launch_of``, the launch ``dequantize_packed`` makes). For
+every valid call both must choose the same variant, tiling, grid, block and kernel arguments, slot
+for slot; for every bad call the Python path must name the broken rule and the compiled path must
+decline. The registered op's fake implementation (what ``torch.compile`` traces) runs the battery on
+fake CUDA tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -19,12 +20,31 @@ import torch
 
 from harness.correctness import call_battery
 from harness.errors import InputError
-from harness.runtime import dequantize, dequantize_kernel, dtypes, host_launcher, matmul, matmul_kernel, torch_op
+from harness.runtime import (
+    dequantize,
+    dequantize_kernel,
+    dtypes,
+    host_launcher,
+    matmul,
+    matmul_kernel,
+    operands,
+    torch_op,
+)
 from harness.runtime.launcher import ArgPacker
 
 VALID = dict(call_battery.valid_calls())
 BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
 MATMUL = dict(call_battery.matmul_calls())
+
+
+@contextlib.contextmanager
+def on_host():
+    """Both host paths taking host tensors for the duration (the compiled one when bound in it)."""
+    saved, operands.DEVICE_TYPE = operands.DEVICE_TYPE, "cpu"
+    try:
+        yield
+    finally:
+        operands.DEVICE_TYPE = saved
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +67,10 @@ def _geometry_only(quant, dtype, nested, tiling, device):
 @pytest.fixture(scope="module")
 def entry(module):
     # Inert driver entry points: describe() never calls them.
-    return host_launcher.configure(
-        module, _geometry_only, launch_kernel=1, ctx_get_current=1, raw_stream=int, devices=0, backend="cpu"
-    )
+    with on_host():
+        return host_launcher.configure(
+            module, _geometry_only, launch_kernel=1, ctx_get_current=1, raw_stream=int, devices=0
+        )
 
 
 def _compiled(module, entry, call):
@@ -68,7 +89,8 @@ def _compiled(module, entry, call):
 
 
 def _python(call, out):
-    checked = dequantize.check_call(**call_battery.keywords(call), backend="cpu")
+    with on_host():
+        checked = dequantize.check_call(**call_battery.keywords(call))
     (*variant, device), grid, threads, args = dequantize.launch_of(checked, out)
     packer = ArgPacker(dequantize_kernel.KERNEL_PARAMS)
     packer.pack(args)
@@ -105,8 +127,8 @@ def test_the_battery_covers_both_tilings_and_both_store_paths(module, entry):
 @pytest.mark.parametrize("name", list(BAD))
 def test_a_bad_call_is_named_by_the_python_path_and_declined_by_the_compiled_path(module, entry, name):
     call, message = BAD[name]
-    with pytest.raises(InputError, match=_literal(message)):
-        dequantize.check_call(**call_battery.keywords(call), backend="cpu")
+    with on_host(), pytest.raises(InputError, match=_literal(message)):
+        dequantize.check_call(**call_battery.keywords(call))
     assert _compiled(module, entry, call) is None
 
 
@@ -264,13 +286,14 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
     A, bias, out = call["A"], call["bias"], call["out"]
     fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
     max_rows = call["max_rows"] or matmul.rows_within(CROSSOVER, call["shape"][0] * call["shape"][1])
-    if not matmul.takes(A, call["W"], fields, bias, max_rows, backend="cpu"):
-        return None
     nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
-    try:
-        checked = dequantize.check_call(call["W"], *fields[:4], A.dtype, backend="cpu", **nested)
-    except InputError:
-        return None
+    with on_host():
+        if not matmul.takes(A, call["W"], fields, bias, max_rows):
+            return None
+        try:
+            checked = dequantize.check_call(call["W"], *fields[:4], A.dtype, **nested)
+        except InputError:
+            return None
     N, K = call["shape"]
     if out is not None and not matmul.writes_directly(out, A, N):
         return None

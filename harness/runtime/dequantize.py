@@ -102,13 +102,11 @@ def check_call(
     absmax2: Any = None,
     blocksize2: Any = None,
     offset: Any = None,
-    backend: str = "cuda",
 ) -> Call:
     """The Python path's checks, in bitsandbytes' order and with its messages where it has them:
     the configuration, then every operand against ``dequantize_kernel``'s rule tables (the tables
     the compiled path reads). Reads metadata only, but for a nested offset given as a host tensor
-    (its value is read) or in another float dtype (converted to fp32 on its device). ``backend``
-    is "cpu" only in the tests that run these rules on host tensors."""
+    (its value is read) or in another float dtype (converted to fp32 on its device)."""
     if type(blocksize) is not int or blocksize not in BLOCKSIZES:  # 64.0 == 64, but not a block size
         _fail(f"invalid blocksize {blocksize}")
     if quant_type not in QUANT_TYPES:
@@ -118,9 +116,9 @@ def check_call(
         _fail(f"Blockwise 4bit dequantization only supports 16/32-bit floats, but got {dtype}")
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
-    if A.device.type != backend:
-        hint = f": {CUDA_ONLY}" if backend == "cuda" else ""
-        _fail(f"A must be on a {backend.upper()} device, got {A.device}{hint}")
+    if A.device.type != operands.DEVICE_TYPE:
+        hint = f": {CUDA_ONLY}" if operands.DEVICE_TYPE == "cuda" else ""
+        _fail(f"A must be on a {operands.DEVICE_TYPE.upper()} device, got {A.device}{hint}")
     try:
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
     except (TypeError, ValueError) as e:

@@ -175,12 +175,11 @@ def configure(
     ctx_get_current=None,
     raw_stream=None,
     devices=None,
-    backend="cuda",
 ):
     """The module's dequantize entry point bound to the driver entry points, PyTorch's stream
-    lookup, the operand rules and the kernel's facts (each bound entry point has its own plans).
-    Tests replace the plan resolver, or bind inert driver entry points and the ``cpu`` backend
-    where there is no GPU."""
+    lookup, the operand rules and the kernel's facts (each bound entry point has its own plans),
+    taking tensors of the device type the Python path takes (``operands.DEVICE_TYPE``, read
+    now). Tests replace the plan resolver, or bind inert driver entry points where there is no GPU."""
     import torch
 
     from harness.runtime.dtypes import DTYPES
@@ -207,7 +206,7 @@ def configure(
         rules(*dequantize_kernel.PLAIN_OPERANDS),
         rules(*dequantize_kernel.NESTED_OPERANDS),
         *rules(dequantize_kernel.OFFSET, dequantize_kernel.OUTPUT),
-        backend,
+        operands.DEVICE_TYPE,
     )
 
 

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, launcher, matmul_kernel
+from harness.runtime import dequantize, launcher, matmul_kernel, operands
 from harness.runtime.dtypes import ACTIVATION_NAME
 from harness.runtime.host_path import matmul_entry
 
@@ -148,16 +148,17 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
     return _fused(A, B, fields, nested, bias, out, N, K)
 
 
-def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None, backend: str = "cuda") -> bool:
+def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None) -> bool:
     """Whether the fused kernel computes this call of at most ``max_rows`` rows (None: the GPU's
     ``crossover_m``), the weight's own rules aside (a weight that breaks them raises
-    InputError at the launch); the rest is the fallback's, not an error. ``backend`` is
-    "cpu" only in the tests that hold the compiled path to these decisions."""
+    InputError at the launch); the rest is the fallback's, not an error."""
     blocksize, shape = fields[1], fields[3]
     if len(shape) != 2 or not A.dim() or A.shape[-1] != shape[1] or A.numel() == 0 or needs_grad(A, bias):
         return False
     N, K = shape[0], shape[1]
-    if A.device.type != backend or A.numel() // K > (max_rows or crossover_m(A.device.index, N * K)):
+    if A.device.type != operands.DEVICE_TYPE:
+        return False
+    if A.numel() // K > (max_rows or crossover_m(A.device.index, N * K)):
         return False
     return (
         A.dtype in ACTIVATION_NAME

@@ -19,6 +19,11 @@ from typing import Any
 
 from harness.errors import InputError
 
+# The device type both host paths take tensors on: one value, read by the Python path at every call
+# and by the compiled path when it is bound (``host_launcher.configure``). The rule tests
+# (tests/test_call_rules.py) set it to "cpu" for both, to run the call battery without a GPU.
+DEVICE_TYPE = "cuda"
+
 BYTES = "bytes"  # any dtype, counted in bytes: packed data in whatever quant_storage holds it
 OUT = "out"  # the call's output dtype
 
