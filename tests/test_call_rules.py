@@ -279,27 +279,37 @@ def _variant(dtype: int, quant: int, nested: int, tokens: int) -> matmul_kernel.
     return mk.MatmulVariant(mk.DTYPES[dtype], mk.QUANT_TYPES[quant], bool(nested), mk.TOKEN_TILES[tokens])
 
 
+def _stand_in_plan(max_clusters: tuple[int, ...]):
+    """``matmul.decide``'s plan resolver on the stand-in GPU: a variant's plan without its kernels."""
+
+    def plan_of(variant: matmul_kernel.MatmulVariant, _device) -> matmul_kernel.Plan:
+        clusters = _clusters(variant.tokens, max_clusters)
+        return matmul_kernel.Plan(None, None, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
+
+    return plan_of
+
+
 def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
     """The Python path's decision and launches for a matmul call on a GPU holding ``max_clusters``
-    clusters, into the compiled path's output and workspace addresses; None where it does not fuse
-    the call."""
+    clusters (``matmul.decide``, ``matmul.launch_of``), into the compiled path's output and workspace
+    addresses; None where it does not fuse the call, or where it would raise or copy the result
+    into ``out`` (the compiled path declines those, leaving them to it)."""
     A, bias, out = call["A"], call["bias"], call["out"]
     fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
     max_rows = call["max_rows"] or matmul.rows_within(CROSSOVER, call["shape"][0] * call["shape"][1])
     nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
     with on_host():
-        if not matmul.takes(A, call["W"], fields, bias, max_rows):
-            return None
         try:
-            checked = dequantize.check_call(call["W"], *fields[:4], A.dtype, **nested)
+            decided = matmul.decide(A, call["W"], fields, nested, bias, max_rows, _stand_in_plan(max_clusters))
         except InputError:
             return None
+    if decided is None:
+        return None
+    checked, plan, grid = decided
     N, K = call["shape"]
     if out is not None and not matmul.writes_directly(out, A, N):
         return None
     M, main_slots = A.numel() // K, compiled[4] if compiled else (0,) * 16
-    tokens = matmul_kernel.token_tile(M)
-    grid = matmul_kernel.grid_for(M, N, K, tokens, BLOCKS_PER_SM, SMS, _clusters(tokens, max_clusters))
     target = out if out is not None else _AtAddress(main_slots[9])
     main_args, finish_args = matmul.launch_of(A, checked, bias, target, grid, main_slots[7])
     packed = []
@@ -307,6 +317,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         packer = ArgPacker(kinds)
         packer.pack(args)
         packed.append(tuple(packer._buf.tolist()))
+    tokens = matmul_kernel.token_tile(M)
     key = (
         matmul_kernel.DTYPES.index(dtypes.ACTIVATION_NAME[A.dtype]),
         matmul_kernel.QUANT_TYPES.index(checked.quant_type),
@@ -314,11 +325,20 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
         matmul_kernel.TOKEN_TILES.index(tokens),
         -1,  # a host tensor's device index, as PyTorch's C++ gives it
     )
-    threads = (matmul_kernel.threads(tokens), matmul_kernel.FINISH_THREADS)
     shared = _variant(*key[:4]).dynamic_shared_bytes("sm_90")
     finish_blocks = grid.finish_blocks(M, N) if grid.finished else 0
     cluster = matmul_kernel.cluster_of(grid)
-    return key, grid.blocks, threads[0], shared, packed[0], cluster, finish_blocks, threads[1], packed[1]
+    return (
+        key,
+        grid.blocks,
+        plan.threads,
+        shared,
+        packed[0],
+        cluster,
+        finish_blocks,
+        matmul_kernel.FINISH_THREADS,
+        packed[1],
+    )
 
 
 @pytest.mark.parametrize("name", list(MATMUL))

@@ -142,10 +142,22 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
                 p = matmul_kernel.plan(variant, A.device.index)
                 raise launcher.launch_error((p.main, p.finish)[result[0]].label, result[1])
             return result
+    decided = decide(A, B, fields, nested, bias, max_rows, matmul_kernel.plan)
+    return None if decided is None else _launch(A, *decided, bias, out)
+
+
+def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_of) -> tuple | None:
+    """The Python path's decision for a call, before it allocates or launches anything: None where
+    the fused kernel does not take it (``takes``); else (the weight checked by the dequantization
+    call's rules, which raise InputError where it breaks one; its variant's plan, ``plan_of(variant,
+    device index)``; the grid the plan's rules pick). The compiled path decides the same
+    (tests/test_call_rules.py)."""
     if not takes(A, B, fields, bias, max_rows):
         return None
-    N, K = fields[3]
-    return _fused(A, B, fields, nested, bias, out, N, K)
+    call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
+    (N, K), M = call.shape, A.numel() // call.shape[1]
+    p = plan_of(_variant(A, call.quant_type, call.nested, M), A.device.index)
+    return call, p, p.grid(M, N, K, matmul_kernel.token_tile(M))
 
 
 def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None) -> bool:
@@ -217,26 +229,14 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.T
     (``harness.perf.grid_sweep`` times every grid the kernel runs). Raises ValueError for a grid
     the kernel cannot run on this call and GPU (``matmul_kernel.Plan.runs``)."""
     fields, nested = dequantize.quant_state_args(quant_state)
-    if not takes(A, B, fields, max_rows=_ANY_ROWS):
+    decided = decide(A, B, fields, nested, None, _ANY_ROWS, matmul_kernel.plan)
+    if decided is None:
         _fail("the fused kernel does not take this call (see matmul.takes)")
-    call, p = _checked(A, B, fields, nested)
+    call, p, _grid = decided
     (N, K), M = call.shape, A.numel() // call.shape[1]
     if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
     return _launch(A, call, p, grid, None, None)
-
-
-def _checked(A, B, fields, nested) -> tuple[dequantize.Call, matmul_kernel.Plan]:
-    """The weight checked by the dequantization call's rules, and its variant's plan on A's GPU."""
-    call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
-    M = A.numel() // call.shape[1]
-    return call, matmul_kernel.plan(_variant(A, call.quant_type, call.nested, M), A.device.index)
-
-
-def _fused(A, B, fields, nested, bias, out, N: int, K: int) -> torch.Tensor:
-    call, p = _checked(A, B, fields, nested)
-    M = A.numel() // K
-    return _launch(A, call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)), bias, out)
 
 
 def _launch(A, call: dequantize.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, bias, out) -> torch.Tensor:
