@@ -305,7 +305,7 @@ def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
             return None
     if decided is None:
         return None
-    checked, plan, grid = decided
+    checked, plan, grid = decided.weight, decided.plan, decided.grid
     N, K = call["shape"]
     if out is not None and not matmul.writes_directly(out, A, N):
         return None

@@ -16,6 +16,7 @@ launch.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -146,18 +147,25 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
     return None if decided is None else _launch(A, *decided, bias, out)
 
 
-def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_of) -> tuple | None:
+class Decision(NamedTuple):
+    """How the Python path computes a fused call (``decide``)."""
+
+    weight: dequantize.Call  # the weight, checked by the dequantization call's rules
+    plan: matmul_kernel.Plan  # its variant's plan on A's GPU
+    grid: matmul_kernel.Grid  # the grid the plan's rules pick for the call
+
+
+def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_of) -> Decision | None:
     """The Python path's decision for a call, before it allocates or launches anything: None where
-    the fused kernel does not take it (``takes``); else (the weight checked by the dequantization
-    call's rules, which raise InputError where it breaks one; its variant's plan, ``plan_of(variant,
-    device index)``; the grid the plan's rules pick). The compiled path decides the same
-    (tests/test_call_rules.py)."""
+    the fused kernel does not take it (``takes``); else its ``Decision``, the plan from
+    ``plan_of(variant, device index)``. A weight that breaks the dequantization call's rules raises
+    InputError. The compiled path decides the same (tests/test_call_rules.py)."""
     if not takes(A, B, fields, bias, max_rows):
         return None
     call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
     (N, K), M = call.shape, A.numel() // call.shape[1]
     p = plan_of(_variant(A, call.quant_type, call.nested, M), A.device.index)
-    return call, p, p.grid(M, N, K, matmul_kernel.token_tile(M))
+    return Decision(call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)))
 
 
 def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None) -> bool:
@@ -232,7 +240,7 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.T
     decided = decide(A, B, fields, nested, None, _ANY_ROWS, matmul_kernel.plan)
     if decided is None:
         _fail("the fused kernel does not take this call (see matmul.takes)")
-    call, p, _grid = decided
+    call, p = decided.weight, decided.plan
     (N, K), M = call.shape, A.numel() // call.shape[1]
     if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
