@@ -245,27 +245,28 @@ def _clusters(tokens: int, max_clusters: tuple[int, ...]) -> tuple[int, ...]:
     return max_clusters[: sizes + 1] if sizes and max_clusters else ()
 
 
+def _stand_in_plan(max_clusters: tuple[int, ...]):
+    """``matmul.decide``'s plan resolver on the stand-in GPU: a variant's plan without its kernels."""
+
+    def plan_of(variant: matmul_kernel.MatmulVariant, _device) -> matmul_kernel.Plan:
+        clusters = _clusters(variant.tokens, max_clusters)
+        return matmul_kernel.Plan(None, None, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
+
+    return plan_of
+
+
 @pytest.fixture(scope="module", params=[(), MAX_CLUSTERS], ids=["no-clusters", "clusters"])
 def matmul_entry(module, entry, request):
     """The compiled matmul entry on a stand-in GPU without thread block clusters (splits added by
     the finish kernel) and with them (added inside a cluster where they fit); the stand-in's
     ``max_clusters`` rides along."""
 
+    stand_in = _stand_in_plan(request.param)
+
     def plan_only(dtype, quant, nested, tokens, device):
-        tile = matmul_kernel.TOKEN_TILES[tokens]
-        shared = _variant(dtype, quant, nested, tokens).dynamic_shared_bytes("sm_90")
-        clusters = _clusters(tile, request.param)
-        return (
-            0,
-            0,
-            0,
-            matmul_kernel.threads(tile),
-            shared,
-            matmul_kernel.FINISH_THREADS,
-            BLOCKS_PER_SM,
-            SMS,
-            clusters,
-        )
+        variant = _variant(dtype, quant, nested, tokens)
+        p, shared = stand_in(variant, device), variant.dynamic_shared_bytes("sm_90")
+        return (0, 0, 0, p.threads, shared, matmul_kernel.FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters)
 
     compiled = host_launcher.configure_matmul(
         module, entry, plan_only, crossover=lambda device: CROSSOVER, launch_kernel_ex=1
@@ -277,16 +278,6 @@ def _variant(dtype: int, quant: int, nested: int, tokens: int) -> matmul_kernel.
     """The variant of the compiled path's plan key (indices into the variants' tables)."""
     mk = matmul_kernel
     return mk.MatmulVariant(mk.DTYPES[dtype], mk.QUANT_TYPES[quant], bool(nested), mk.TOKEN_TILES[tokens])
-
-
-def _stand_in_plan(max_clusters: tuple[int, ...]):
-    """``matmul.decide``'s plan resolver on the stand-in GPU: a variant's plan without its kernels."""
-
-    def plan_of(variant: matmul_kernel.MatmulVariant, _device) -> matmul_kernel.Plan:
-        clusters = _clusters(variant.tokens, max_clusters)
-        return matmul_kernel.Plan(None, None, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
-
-    return plan_of
 
 
 def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import pytest
 
+from harness import settings
 from harness.perf import baseline, gate, gpu_info, policy, report
 from harness.perf.session import JUDGE_ROOT, PerfSession
 
@@ -54,7 +55,9 @@ def pytest_addoption(parser):
     )
     group.addoption("--save-baseline", action="store_true", help="merge this session into the stored baseline")
     group.addoption("--baseline-dir", default=str(JUDGE_ROOT / "baselines"), help="stored baselines (the judge's)")
-    group.addoption("--perf-out", default="perf-out", help="directory for the summary, plot and session record")
+    group.addoption(
+        "--perf-out", default=settings.PERF_OUT.default, help="directory for the summary, plot and session record"
+    )
     group.addoption("--no-references", action="store_true", help="skip the bitsandbytes and copy reference timings")
     group.addoption(
         "--isolation",
