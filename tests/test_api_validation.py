@@ -17,7 +17,7 @@ import harness
 from harness.correctness import call_battery, cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import InputError, KernelLaunchError
-from harness.runtime import dequantize, dequantize_kernel, host_path, launcher
+from harness.runtime import dequantize, host_path, launcher
 
 # --- no GPU needed -----------------------------------------------------------------------------
 
@@ -110,12 +110,12 @@ def good(cuda, run_seed):
 
 def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
     launches = []
-    real_launch = dequantize_kernel.launch
-    monkeypatch.setattr(dequantize_kernel, "launch", lambda *a, **k: launches.append(a))
+    real_launch = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: launches.append(a))
     with pytest.raises(InputError, match=match):
         call()
     assert launches == [], "a rejected call must not launch anything"
-    monkeypatch.setattr(dequantize_kernel, "launch", real_launch)
+    monkeypatch.setattr(launcher, "launch", real_launch)
     # The context still works: a good case right after is bit-exact.
     case = good[True]
     got = poison_(torch.empty(case.shape, dtype=case.dtype, device=cuda))
@@ -129,12 +129,15 @@ BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, name):
-    """The battery of tests/test_call_rules.py on GPU tensors: the compiled path declines (it
-    launches nothing), the Python path names the rule before its launch."""
+    """The battery of tests/test_call_rules.py on GPU tensors: the compiled path declines or raises
+    the Python path's error (it launches nothing), the Python path names the rule before its launch."""
     call, message = next((c, m) for n, c, m in call_battery.bad_calls(cuda) if n == name)
-    entry = host_path.bind_dequantize()
+    entry = host_path.entry(dequantize.HOST).bound()
     assert entry, "the GPU sessions run with the compiled host path"
-    assert entry(*call_battery.positional(call)) is None, "the compiled path took a bad call"
+    try:
+        assert entry(*call_battery.positional(call)) is None, "the compiled path took a bad call"
+    except InputError as e:
+        assert re.search(re.escape(message), str(e)), str(e)
     kwargs = call_battery.keywords(call)
     _expect_rejected(lambda: dequantize.dequantize_packed(**kwargs), re.escape(message), monkeypatch, cuda, good, bnb)
 

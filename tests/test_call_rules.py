@@ -1,19 +1,22 @@
 """One source for the call's rules: the same battery through every path that validates.
 
 No GPU needed. Both host paths take host tensors here (``operands.DEVICE_TYPE`` set to "cpu", which
-the compiled path reads when it is bound), the compiled one with inert driver entry points, and
-asked what it would launch (``describe``) instead of launching; the Python path is asked the same
-(``dequantize.check_call`` + ``dequantize.launch_of``, the launch ``dequantize_packed`` makes). For
-every valid call both must choose the same variant, tiling, grid, block and kernel arguments, slot
-for slot; for every bad call the Python path must name the broken rule and the compiled path must
-decline. The registered op's fake implementation (what ``torch.compile`` traces) runs the battery on
-fake CUDA tensors.
+the compiled path reads when it is bound), the compiled one with inert driver entry points and
+stand-in plans (no kernels), asked what it would launch (``describe``) instead of launching; the
+Python path is asked for its plan (``dequantize.python_form``, what ``dequantize_packed`` runs).
+For every valid call both must launch the same kernels on the same grids with the same arguments,
+slot for slot, whatever calls the compiled entry saw before (it keeps one recipe a call
+signature); for every bad call the Python path must name the broken rule and the compiled path
+must raise the same error or decline. The registered op's fake implementation (what
+``torch.compile`` traces) runs the battery on fake CUDA tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -23,14 +26,14 @@ from harness.errors import InputError
 from harness.runtime import (
     dequantize,
     dequantize_kernel,
-    dtypes,
     host_launcher,
+    launcher,
     matmul,
     matmul_kernel,
     operands,
     torch_op,
 )
-from harness.runtime.launcher import ArgPacker
+from harness.runtime import recipe as recipes
 
 VALID = dict(call_battery.valid_calls())
 BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
@@ -53,83 +56,120 @@ def module():
     return host_launcher.build()
 
 
-def _geometry_only(quant, dtype, nested, tiling, device):
-    """The plan resolver with no GPU: the geometry the real one returns, no kernel or context."""
-    g = dequantize_kernel.geometry(
-        dequantize_kernel.QUANT_TYPES[quant],
-        dequantize_kernel.OUT_DTYPES[dtype],
-        bool(nested),
-        dequantize_kernel.TILINGS[tiling],
-    )
-    return (0, 0, *host_launcher.plan_geometry(g))
+_stand_ins: dict[int, str] = {}  # stand-in kernel handle -> its label
+
+
+@functools.cache
+def _stand_in_kernel(label: str, kinds: tuple[str, ...], shared_bytes: int = 0) -> launcher.LoadedKernel:
+    """A kernel as a plan holds it, without a GPU: its label, parameter kinds and a handle of its own."""
+    handle = 0x1000 + len(_stand_ins)
+    _stand_ins[handle] = label
+    return launcher.LoadedKernel(label, -1, None, launcher.ArgPacker(kinds), handle, shared_bytes)
+
+
+def _stand_in_plan(quant_type, out_dtype, nested, tiling, _device) -> dequantize_kernel.Plan:
+    """``dequantize_kernel.plan_tiled`` on no GPU: the variant's geometry and a stand-in kernel."""
+    variant = dequantize_kernel.KernelVariant(quant_type, out_dtype, nested, *tiling)
+    kernel = _stand_in_kernel(variant.name, dequantize_kernel.KERNEL_PARAMS)
+    return dequantize_kernel.Plan(kernel, dequantize_kernel.geometry(quant_type, out_dtype, nested, tiling))
+
+
+def _bind(module, op: host_launcher.HostOp, form):
+    """A compiled entry for ``op`` on host tensors with inert driver entry points (describe never calls them)."""
+    with on_host():
+        return host_launcher.configure(
+            module, op, form, context_of=lambda device: 0, launch_kernel=1, launch_kernel_ex=1, ctx_get_current=1,
+            raw_stream=int,
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def entry(module):
-    # Inert driver entry points: describe() never calls them.
+    return _bind(module, dequantize.HOST, functools.partial(dequantize.compiled_form, plan_of=_stand_in_plan))
+
+
+def _describe(module, entry, *args):
+    """What the compiled entry would launch for a call of host tensors (its form asks the Python
+    path's checks, which then take host tensors too)."""
     with on_host():
-        return host_launcher.configure(
-            module, _geometry_only, launch_kernel=1, ctx_get_current=1, raw_stream=int, devices=0
+        return module.describe(entry, *args)
+
+
+def _resolved(planned, described) -> tuple | None:
+    """A Python-path plan (recipe, its arguments) as ``describe`` answers, into the compiled path's
+    output and workspace addresses (where each path allocates its own)."""
+    r, args = planned[:2]
+    out_ptr, workspace_ptr, _ = described
+    if isinstance(r.out, int):
+        out_ptr = args[r.out].data_ptr()
+    filled = recipes.values(r, args, out_ptr, workspace_ptr if r.workspace else 0)
+    launches = tuple(
+        (
+            int(launch.kernel.handle),
+            launch.grid,
+            launch.threads,
+            launch.kernel.shared_bytes,
+            launch.cluster_y,
+            tuple(recipes.slot_bits(kind, v) for kind, v in zip(launch.kernel.packer.kinds, values, strict=False)),
         )
-
-
-def _compiled(module, entry, call):
-    got = module.describe(entry, *call_battery.positional(call))
-    if got is None:
-        return None
-    (quant, dtype, nested, tiling, device), grid, threads, slots = got
-    key = (
-        dequantize_kernel.QUANT_TYPES[quant],
-        dequantize_kernel.OUT_DTYPES[dtype],
-        bool(nested),
-        dequantize_kernel.TILINGS[tiling],
-        device,
+        for launch, values in zip(r.launches, filled, strict=False)
     )
-    return key, grid, threads, list(slots)
+    return out_ptr, workspace_ptr if r.workspace else 0, launches
 
 
-def _python(call, out):
+def _python(call):
     with on_host():
-        checked = dequantize.check_call(**call_battery.keywords(call))
-    (*variant, device), grid, threads, args = dequantize.launch_of(checked, out)
-    packer = ArgPacker(dequantize_kernel.KERNEL_PARAMS)
-    packer.pack(args)
-    host = -1 if device is None else device  # a host tensor's device index, as PyTorch's C++ gives it
-    return (*variant, host), grid, threads, packer._buf.tolist()
+        return dequantize.python_form(*call_battery.positional(call), plan_of=_stand_in_plan)
 
 
-@pytest.mark.parametrize("name", list(VALID))
-def test_both_paths_make_the_same_launch_for_a_valid_call(module, entry, name):
-    call = VALID[name]
-    compiled = _compiled(module, entry, call)
-    assert compiled is not None, "the compiled path declined a valid call"
-    # Where each path allocates its own output, the Python path plans into the compiled one's address.
-    out = call["out"] if call["out"] is not None else _AtAddress(compiled[3][6])
-    assert compiled == _python(call, out)
+@pytest.mark.parametrize("order", ["battery", "reversed"])
+def test_both_paths_make_the_same_launch_for_every_valid_call_whatever_came_before(module, order):
+    """One entry for the whole battery, so each call meets the recipes every call before it left:
+    a signature that missed something the decision reads would launch another call's plan."""
+    entry = _bind(module, dequantize.HOST, functools.partial(dequantize.compiled_form, plan_of=_stand_in_plan))
+    names = list(VALID) if order == "battery" else list(reversed(VALID))
+    for name in names + names:  # the second round from the kept recipes only
+        call = VALID[name]
+        compiled = _describe(module, entry, *call_battery.positional(call))
+        assert compiled is not None, f"{name}: the compiled path declined a valid call"
+        assert compiled == _resolved(_python(call), compiled), name
+    assert module.signatures(entry) == len({_signature(VALID[n]) for n in names})
 
 
-class _AtAddress:
-    """Stands in for an output tensor at a given address (only ``data_ptr`` is read)."""
+def _signature(call: dict) -> tuple:
+    """What the compiled path keys a call by (host_launcher.cpp's signature), in Python."""
 
-    def __init__(self, address: int):
-        self._address = address
+    def part(v):
+        if isinstance(v, torch.Tensor):
+            p = v.data_ptr()
+            align = 8 if p == 0 else min((p & -p).bit_length() - 1, 8)
+            return ("tensor", v.dtype, tuple(v.shape), align)
+        return ("float",) if isinstance(v, float) else (type(v).__name__, repr(v))
 
-    def data_ptr(self) -> int:
-        return self._address
+    return tuple(part(v) for v in call_battery.positional(call))
 
 
-def test_the_battery_covers_both_tilings_and_both_store_paths(module, entry):
-    launches = [_compiled(module, entry, call) for call in VALID.values()]
-    assert {key[3] for key, *_ in launches} == set(dequantize_kernel.TILINGS)
-    assert {slots[10] for *_, slots in launches} == {0, 1}  # the vectorized flag
+def test_the_battery_covers_both_tilings_both_store_paths_and_both_offset_forms(module, entry):
+    launches = [_describe(module, entry, *call_battery.positional(call))[2] for call in VALID.values()]
+    taken = [launch for launches_of_call in launches for launch in launches_of_call]
+    labels = {_stand_ins[launch[0]] for launch in taken}
+    assert all(any(label.endswith(f"-t{t}-u{u}") for label in labels) for t, u in dequantize_kernel.TILINGS)
+    assert {launch[5][10] for launch in taken} == {0, 1}  # the vectorized flag
+    assert {launch[5][4] == 0 for launch in taken if "nested" in _stand_ins[launch[0]]} == {True, False}  # offset forms
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_a_bad_call_is_named_by_the_python_path_and_declined_by_the_compiled_path(module, entry, name):
+def test_a_bad_call_is_named_by_the_python_path_and_never_launched_by_the_compiled_path(module, entry, name):
     call, message = BAD[name]
     with on_host(), pytest.raises(InputError, match=_literal(message)):
         dequantize.check_call(**call_battery.keywords(call))
-    assert _compiled(module, entry, call) is None
+    # The compiled path asks the same checks (and raises what they raise) or declines before them.
+    try:
+        got = _describe(module, entry, *call_battery.positional(call))
+    except InputError as e:
+        assert re.search(_literal(message), str(e)), str(e)
+    else:
+        assert got is None
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -190,22 +230,34 @@ def _literal(message: str) -> str:
     return re.escape(message)
 
 
-def test_configure_refuses_a_table_the_compiled_path_cannot_read(module):
-    from harness.runtime.operands import BYTES, Count, Operand
+def test_an_empty_call_launches_nothing_and_allocates_its_output(module, entry):
+    call = call_battery.make_call((0, 8), nested=False) | {"absmax": torch.ones(0)}
+    _out_ptr, workspace_ptr, launches = _describe(module, entry, *call_battery.positional(call))
+    assert launches == () and workspace_ptr == 0
+    r, _args, _ = _python(call)
+    assert r.launches == () and r.out == ((0, 8), torch.bfloat16)
 
-    bad = Operand("absmax", "absmax", "float32", Count("no-such-quantity"))
-    with pytest.raises(ValueError, match="no-such-quantity"):
-        host_launcher.operands.encoded((bad,), host_launcher.ENTRY_ARGS, dequantize_kernel.QUANTITIES)
-    only_A = host_launcher.operands.encoded(
-        (Operand("A", "A", BYTES, Count("n", "two", at_least=True)),),
-        host_launcher.ENTRY_ARGS,
-        dequantize_kernel.QUANTITIES,
-    )
-    with pytest.raises(ValueError, match="cover its scale tensors"):
-        module.configure(
-            1, 1, int, _geometry_only, host_launcher.subclass_ok, ("nf4",), (torch.float16,), (64,), 1, 1, 0,
-            dequantize_kernel.QUANTITIES, only_A, only_A, *only_A, *only_A, "cpu",
-        )  # fmt: skip
+
+def test_configure_refuses_what_it_cannot_interpret(module):
+    with pytest.raises(ValueError, match="power of two"):
+        module.configure(1, 1, 1, int, int, print, 11, "cpu", 256, 24)
+    with pytest.raises(ValueError, match="past 32"):
+        module.configure(1, 1, 1, int, int, print, 33, "cpu", 256, 16)
+    with pytest.raises(TypeError, match="callable"):
+        module.configure(1, 1, 1, int, int, 3, 11, "cpu", 256, 16)
+    with pytest.raises(ValueError, match="backend"):
+        module.configure(1, 1, 1, int, int, print, 11, "xpu", 256, 16)
+
+
+def test_a_malformed_recipe_is_an_error_not_a_launch(module):
+    """A form answering slots the interpreter cannot fill safely raises (never reads past the arguments)."""
+    A = torch.zeros(4)
+    kernel = _stand_in_kernel("bad", ("ptr",))
+    for bad in (recipes.ptr(5), recipes.Ref("number", 0)):
+        r = recipes.Recipe(-1, ((4,), torch.float32), 0, 0, (recipes.Launch(kernel, (1, 1, 1), 32, (bad,)),))
+        entry = _bind(module, host_launcher.HostOp("bad", ("A",), lambda A, r=r: r), None)
+        with pytest.raises(ValueError, match="malformed recipe"):
+            _describe(module, entry, A)
 
 
 def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
@@ -227,9 +279,9 @@ def test_the_public_drop_in_traces_in_one_graph_to_the_ops_checks():
 
 # ---- The fused matmul: the compiled path takes exactly the calls the Python path fuses ----
 
-# What the stand-in plan resolver reports of every variant: blocks an SM holds, SMs; and the
-# crossover table: the battery's "crossover" call (3 rows, 96x128) fuses from the second entry on,
-# its "crossover-smaller-weight" one (64x128) is declined by the first.
+# What the stand-in plans report of every variant: blocks an SM holds, SMs; and the crossover table:
+# the battery's "crossover" call (3 rows, 96x128) fuses from the second entry on, its
+# "crossover-smaller-weight" one (64x128) is declined by the first.
 BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, ((0, 2), (96 * 128, 32))
 
 
@@ -245,124 +297,80 @@ def _clusters(tokens: int, max_clusters: tuple[int, ...]) -> tuple[int, ...]:
     return max_clusters[: sizes + 1] if sizes and max_clusters else ()
 
 
-def _stand_in_plan(max_clusters: tuple[int, ...]):
-    """``matmul.decide``'s plan resolver on the stand-in GPU: a variant's plan without its kernels."""
+def _stand_in_matmul_plan(max_clusters: tuple[int, ...]):
+    """``matmul_kernel.plan`` on a stand-in Hopper GPU: a variant's plan with stand-in kernels."""
 
     def plan_of(variant: matmul_kernel.MatmulVariant, _device) -> matmul_kernel.Plan:
         clusters = _clusters(variant.tokens, max_clusters)
-        return matmul_kernel.Plan(None, None, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
+        shared = variant.dynamic_shared_bytes("sm_90")
+        main = _stand_in_kernel(variant.name, matmul_kernel.MAIN_PARAMS, shared)
+        finish = _stand_in_kernel(f"{variant.name}-finish", matmul_kernel.FINISH_PARAMS)
+        return matmul_kernel.Plan(main, finish, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
 
     return plan_of
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _stand_in_crossover():
+    """The stand-in GPU's crossover, where a call names no most rows (``max_rows`` None)."""
+    with mock.patch.object(matmul, "crossover_table", lambda device: CROSSOVER):
+        yield
+
+
 @pytest.fixture(scope="module", params=[(), MAX_CLUSTERS], ids=["no-clusters", "clusters"])
-def matmul_entry(module, entry, request):
+def matmul_entry(module, request):
     """The compiled matmul entry on a stand-in GPU without thread block clusters (splits added by
     the finish kernel) and with them (added inside a cluster where they fit); the stand-in's
     ``max_clusters`` rides along."""
-
-    stand_in = _stand_in_plan(request.param)
-
-    def plan_only(dtype, quant, nested, tokens, device):
-        variant = _variant(dtype, quant, nested, tokens)
-        p, shared = stand_in(variant, device), variant.dynamic_shared_bytes("sm_90")
-        return (0, 0, 0, p.threads, shared, matmul_kernel.FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters)
-
-    compiled = host_launcher.configure_matmul(
-        module, entry, plan_only, crossover=lambda device: CROSSOVER, launch_kernel_ex=1
-    )
-    return compiled, request.param
+    plan_of = _stand_in_matmul_plan(request.param)
+    return _bind(module, matmul.HOST, functools.partial(matmul.compiled_form, plan_of=plan_of)), request.param
 
 
-def _variant(dtype: int, quant: int, nested: int, tokens: int) -> matmul_kernel.MatmulVariant:
-    """The variant of the compiled path's plan key (indices into the variants' tables)."""
-    mk = matmul_kernel
-    return mk.MatmulVariant(mk.DTYPES[dtype], mk.QUANT_TYPES[quant], bool(nested), mk.TOKEN_TILES[tokens])
-
-
-def _python_matmul(call: dict, compiled, max_clusters: tuple[int, ...]):
-    """The Python path's decision and launches for a matmul call on a GPU holding ``max_clusters``
-    clusters (``matmul.decide``, ``matmul.launch_of``), into the compiled path's output and workspace
-    addresses; None where it does not fuse the call, or where it would raise or copy the result
-    into ``out`` (the compiled path declines those, leaving them to it)."""
-    A, bias, out = call["A"], call["bias"], call["out"]
-    fields = (call["absmax"], call["blocksize"], call["quant_type"], call["shape"], A.dtype)
-    max_rows = call["max_rows"] or matmul.rows_within(CROSSOVER, call["shape"][0] * call["shape"][1])
-    nested = {k: call[k] for k in ("code2", "absmax2", "blocksize2", "offset")} if call["code2"] is not None else {}
+def _python_matmul(call: dict, described, max_clusters: tuple[int, ...]):
+    """The Python path's launches for a matmul call (``matmul.python_form``) as ``describe``
+    answers; None where it does not fuse the call, would raise, or copies the result into ``out``
+    or converts the offset (the compiled path declines those, leaving them to it)."""
+    args = call_battery.matmul_positional(call)
     with on_host():
         try:
-            decided = matmul.decide(A, call["W"], fields, nested, bias, max_rows, _stand_in_plan(max_clusters))
+            planned = matmul.python_form(*args, plan_of=_stand_in_matmul_plan(max_clusters))
         except InputError:
             return None
-    if decided is None:
+    if planned is None or (call["out"] is not None and planned[1][7] is not call["out"]):
         return None
-    checked, plan, grid = decided.weight, decided.plan, decided.grid
-    N, K = call["shape"]
-    if out is not None and not matmul.writes_directly(out, A, N):
-        return None
-    M, main_slots = A.numel() // K, compiled[4] if compiled else (0,) * 16
-    target = out if out is not None else _AtAddress(main_slots[9])
-    main_args, finish_args = matmul.launch_of(A, checked, bias, target, grid, main_slots[7])
-    packed = []
-    for kinds, args in ((matmul_kernel.MAIN_PARAMS, main_args), (matmul_kernel.FINISH_PARAMS, finish_args)):
-        packer = ArgPacker(kinds)
-        packer.pack(args)
-        packed.append(tuple(packer._buf.tolist()))
-    tokens = matmul_kernel.token_tile(M)
-    key = (
-        matmul_kernel.DTYPES.index(dtypes.ACTIVATION_NAME[A.dtype]),
-        matmul_kernel.QUANT_TYPES.index(checked.quant_type),
-        int(checked.nested),
-        matmul_kernel.TOKEN_TILES.index(tokens),
-        -1,  # a host tensor's device index, as PyTorch's C++ gives it
-    )
-    shared = _variant(*key[:4]).dynamic_shared_bytes("sm_90")
-    finish_blocks = grid.finish_blocks(M, N) if grid.finished else 0
-    cluster = matmul_kernel.cluster_of(grid)
-    return (
-        key,
-        grid.blocks,
-        plan.threads,
-        shared,
-        packed[0],
-        cluster,
-        finish_blocks,
-        matmul_kernel.FINISH_THREADS,
-        packed[1],
-    )
+    return _resolved(planned, described or (0, 0, ()))
 
 
 @pytest.mark.parametrize("name", list(MATMUL))
 def test_both_paths_fuse_the_same_matmul_calls_with_the_same_launches(module, matmul_entry, name):
     call, (entry, max_clusters) = MATMUL[name], matmul_entry
-    compiled = module.describe_matmul(entry, *call_battery.matmul_positional(call))
+    try:
+        compiled = _describe(module, entry, *call_battery.matmul_positional(call))
+    except InputError:
+        compiled = None  # the Python path raises it too (its decision runs the same weight checks)
     assert compiled == _python_matmul(call, compiled, max_clusters)
 
 
 def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both_decisions(module, matmul_entry):
-    describe, (entry, max_clusters) = module.describe_matmul, matmul_entry
-    launches = {name: describe(entry, *call_battery.matmul_positional(c)) for name, c in MATMUL.items()}
-    taken = [launch for launch in launches.values() if launch is not None]
-    assert {key[3] for key, *_ in taken} == set(range(len(matmul_kernel.TOKEN_TILES)))
-    assert any(shared > 0 for _key, _grid, _threads, shared, *_ in taken), "no kernel with dynamic shared memory"
-    assert {grid[1] > 1 for _key, grid, *_ in taken} == {True, False}
+    (entry, max_clusters) = matmul_entry
+    launches = {}
+    for name, c in MATMUL.items():
+        try:
+            launches[name] = _describe(module, entry, *call_battery.matmul_positional(c))
+        except InputError:
+            launches[name] = None
+    taken = [described[2] for described in launches.values() if described is not None]
+    variants = [_stand_ins[launch[0][0]] for launch in taken]
+    assert {int(v.split("-m")[1].split("-")[0]) for v in variants} == set(matmul_kernel.TOKEN_TILES)
+    assert any(launch[0][3] > 0 for launch in taken), "no kernel with dynamic shared memory"
+    assert {launch[0][1][1] > 1 for launch in taken} == {True, False}
     # A split call runs its splits as clusters (no finish) or the finish adds them: on a GPU with
     # clusters the battery has both, without only the finish.
-    split = {
-        (cluster > 1, finish > 0) for _key, grid, _threads, _shared, _slots, cluster, finish, *_ in taken if grid[1] > 1
-    }
+    split = {(launch[0][4] > 1, len(launch) > 1) for launch in taken if launch[0][1][1] > 1}
     assert split == ({(True, False), (False, True)} if max_clusters else {(False, True)})
-    assert {key[:3] for key, *_ in taken} >= {(d, q, n) for d in (0, 1) for q in (0, 1) for n in (0, 1)}
-    declined = {name for name, launch in launches.items() if launch is None}
+    kinds = {tuple(v.split("-")[1:4]) for v in variants}
+    assert kinds >= {(q, d, n) for q in ("nf4", "fp4") for d in ("fp16", "bf16") for n in ("plain", "nested")}
+    declined = {name for name, described in launches.items() if described is None}
     expected = {"over-max-rows", "crossover-smaller-weight", "A-requires-grad", "weight-codes-short", "out-dtype"}
     assert expected <= declined
     assert "at-max-rows" not in declined and "crossover" not in declined
-
-
-def test_configure_matmul_refuses_what_is_not_a_dequantize_entry(module, entry):
-    with pytest.raises(TypeError, match="entry point from configure"):
-        module.configure_matmul(print, int, int, int, (torch.float16,), (8,), 32, 16, 1)
-    with pytest.raises(TypeError, match="output dtypes"):
-        module.configure_matmul(entry, int, int, int, (torch.int8,), (8,), 32, 16, 1)
-    with pytest.raises(ValueError, match="increasing"):
-        module.configure_matmul(entry, int, int, int, (torch.float16,), (16, 8), 32, 16, 1)

@@ -212,7 +212,7 @@ def test_packed_data_in_any_quant_storage_dtype(cuda, bnb, run_seed, storage, ne
             harness.dequantize_4bit(A, qs, out=out)
             allocated = harness.dequantize_4bit(A, qs)
     else:
-        entry = host_path.bind_dequantize()
+        entry = host_path.entry(dequantize.HOST).bound()
         fields, nested_args = dequantize.quant_state_args(qs)
         assert entry, "the GPU sessions run with the compiled host path"
         absmax, blocksize, quant_type, shape, dtype = fields

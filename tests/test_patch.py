@@ -327,7 +327,7 @@ def test_a_misconfigured_setting_is_raised_not_hidden_behind_the_fallback(F, mon
     from harness import settings
 
     monkeypatch.setenv(settings.HOST_LAUNCHER.name, "fast")
-    monkeypatch.setattr(host_path, "dequantize", None)  # bound afresh, as at a process' first call
+    monkeypatch.setattr(host_path.entry(dequantize.HOST), "fn", None)  # bound afresh, as at a process' first call
     A, qs = cases.quantize_weights((64, 96), "nf4", 64, False, torch.bfloat16, 0, device="cpu")
     with harness.bitsandbytes_patched(), pytest.raises(SettingError, match="must be one of"):
         F.dequantize_4bit(A, qs)

@@ -2,7 +2,7 @@
 form the kernel takes, and bad calls, each with the rule it breaks.
 
 The same battery runs through the Python path (``dequantize.check_call``), the compiled host path
-(``host_launcher.cpp``, bound to host tensors on a CPU machine), the registered op's fake
+(``host_launcher.cpp``, bound to host tensors and stand-in plans on a CPU machine), the registered op's fake
 implementation (``torch.compile``'s view) and, on a GPU, the public drop-in. A call is a dict of
 ``dequantize.dequantize_packed``'s arguments.
 """
@@ -14,14 +14,12 @@ from collections.abc import Iterator
 
 import torch
 
-from harness.runtime import dequantize_kernel
-
-ARGS = ("A", "absmax", "code2", "absmax2", "offset", "out", "shape", "dtype", "blocksize", "blocksize2", "quant_type")
+from harness.runtime import dequantize, dequantize_kernel, matmul
 
 
 def positional(call: dict) -> list:
-    """A call as the compiled entry point takes it (``host_launcher.ENTRY_ARGS``, then the rest)."""
-    return [call.get(name) for name in ARGS]
+    """A call as the compiled entry point takes it (``dequantize.ENTRY_ARGS``)."""
+    return [call.get(name) for name in dequantize.ENTRY_ARGS]
 
 
 def keywords(call: dict) -> dict:
@@ -161,15 +159,10 @@ def bad_calls(device="cpu") -> Iterator[tuple[str, dict, str]]:
 
 # ---- The fused matmul: which calls its kernel takes, and what it launches for them ----
 
-MATMUL_ARGS = (
-    "A", "W", "absmax", "code2", "absmax2", "offset", "bias", "out", "shape", "blocksize", "blocksize2", "quant_type",
-    "max_rows",
-)  # fmt: skip
-
 
 def matmul_positional(call: dict) -> list:
-    """A matmul call as the compiled entry point takes it (``host_launcher.MATMUL_ARGS``)."""
-    return [call[name] for name in MATMUL_ARGS]
+    """A matmul call as the compiled entry point takes it (``matmul.ENTRY_ARGS``)."""
+    return [call[name] for name in matmul.ENTRY_ARGS]
 
 
 def make_matmul_call(

@@ -7,9 +7,10 @@ CUDA context stays usable. Differences from bitsandbytes are deliberate and only
 bitsandbytes would silently read out of bounds or reinterpret memory for the inputs rejected here
 (short absmax, wrong dtypes, tensors on another GPU, a non-contiguous ``out``).
 
-A call goes to the compiled host path first (``host_path``), which takes it when every tensor is
-already as the kernel reads it; anything else, bad input included, runs the Python path below,
-which owns every error message. Both paths check the same rule tables (``dequantize_kernel``).
+A call becomes a launch recipe (``recipe_of``). It goes to the compiled host path first
+(``host_path``), which asks ``compiled_form`` once per call signature and runs the recipe where
+every tensor is as the kernel reads it; anything else runs the Python path below. Both reach the
+same checks (``check_call``: ``dequantize_kernel``'s rule tables), which name every error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize_kernel, host_path, launcher, operands
+from harness.runtime import dequantize_kernel, host_launcher, host_path, operands, recipe
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
 from harness.runtime.dtypes import OUT_NAME
 
@@ -104,8 +105,8 @@ def check_call(
     offset: Any = None,
 ) -> Call:
     """The Python path's checks, in bitsandbytes' order and with its messages where it has them:
-    the configuration, then every operand against ``dequantize_kernel``'s rule tables (the tables
-    the compiled path reads). Reads metadata only, but for a nested offset given as a host tensor
+    the configuration, then every operand against ``dequantize_kernel``'s rule tables (the compiled
+    path's form runs them too). Reads metadata only, but for a nested offset given as a host tensor
     (its value is read) or in another float dtype (converted to fp32 on its device)."""
     if type(blocksize) is not int or blocksize not in BLOCKSIZES:  # 64.0 == 64, but not a block size
         _fail(f"invalid blocksize {blocksize}")
@@ -166,21 +167,71 @@ def _offset_form(offset: Any, device: torch.device) -> tuple[torch.Tensor | None
     _fail(f"nested quant_state needs a numeric offset, got {type(offset).__name__}")
 
 
-def launch_of(call: Call, out: torch.Tensor, tiling: tuple[int, int] | None = None) -> tuple:
-    """The launch the Python path makes for a checked call into ``out`` (``dequantize_packed``
-    launches exactly this; the compiled path's ``describe`` answers the same): ((quant type, output
-    dtype, nested, tiling, device index), grid, threads per block, KernelArgs)."""
-    quant_type, out_name, nested, _device, _shape, _dtype, n, blocksize, blocksize2, *_ = call
-    tiling = tiling or dequantize_kernel.tiling_for(n)
-    g = dequantize_kernel.geometry(quant_type, out_name, nested, tiling)
-    grid, args = dequantize_kernel.kernel_args(g, _pointers(call), out.data_ptr(), n, blocksize, blocksize2)
-    return (quant_type, out_name, nested, tiling, call.device.index), grid, g.threads, args
+# The compiled entry's arguments, in order (``recipe.Ref`` indices name them).
+ENTRY_ARGS = (
+    "A", "absmax", "code2", "absmax2", "offset", "out", "shape", "dtype", "blocksize", "blocksize2", "quant_type",
+)  # fmt: skip
+_OFFSET, _OUT = ENTRY_ARGS.index("offset"), ENTRY_ARGS.index("out")
 
 
-def _pointers(call: Call) -> tuple[int, int, int, int, int, float]:
-    absmax, code2, absmax2, offset, offset_value = call.scales
-    ptr = [t.data_ptr() if t is not None else 0 for t in (call.A, absmax, code2, absmax2, offset)]
-    return (*ptr, offset_value)
+def scale_refs(call: Call, first: int) -> tuple:
+    """The kernels' six weight arguments (packed data, absmax, code2, absmax2, offset pointer, offset
+    value) as references to an entry's arguments, the packed data at ``first`` and the scales after
+    it in ``ENTRY_ARGS``' order; the offset is read from its tensor or passed as the number it is."""
+    offset_ptr, offset_value = 0, 0.0
+    if call.nested and call.scales[3] is not None:
+        offset_ptr = recipe.ptr(first + 4)
+    elif call.nested:
+        offset_value = recipe.number(first + 4)
+    return (*(recipe.ptr(first + i) for i in range(4)), offset_ptr, offset_value)
+
+
+def recipe_of(call: Call, out: torch.Tensor | None, plan_of=dequantize_kernel.plan_tiled) -> recipe.Recipe:
+    """The launch of a checked call into ``out`` (None: allocated), its arguments named as the entry
+    names them (``ENTRY_ARGS``); ``plan_of`` is ``plan_tiled``'s signature (tests: stand-in plans)."""
+    quant_type, out_name, nested, device, shape, dtype, n, blocksize, blocksize2, *_ = call
+    given = out is not None
+    into = _OUT if given else (tuple(shape), dtype)
+    if not n:
+        return recipe.Recipe(call.A.get_device(), into, 0, 0, ())
+    p = plan_of(quant_type, out_name, nested, dequantize_kernel.tiling_for(n), device.index)
+    # An allocated output has the allocation's alignment (recipe.ALLOC_ALIGN, which OUT_ALIGN divides).
+    grid, vectorized = p.geometry.grid_and_path(call.A.data_ptr(), out.data_ptr() if given else 0, n)
+    args = dequantize_kernel.KernelArgs(
+        *scale_refs(call, 0), recipe.OUT, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized
+    )
+    launch = recipe.Launch(p.kernel, (grid, 1, 1), p.geometry.threads, tuple(args))
+    return recipe.Recipe(call.A.get_device(), into, 0, 0, (launch,))
+
+
+def python_form(*args, plan_of=dequantize_kernel.plan_tiled) -> tuple[recipe.Recipe, tuple, Call]:
+    """The Python path's plan of a call given as the entry's ``args`` (``ENTRY_ARGS``): its recipe,
+    the arguments that recipe runs with (the offset as the kernel reads it: its tensor, converted
+    where it had to be, or its value) and the checked call. A bad call raises InputError."""
+    A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type = args
+    call = check_call(
+        A, absmax, blocksize, quant_type, shape, dtype, out, code2=code2, absmax2=absmax2, blocksize2=blocksize2,
+        offset=offset,
+    )  # fmt: skip
+    converted = call.scales[3] if call.scales[3] is not None else call.scales[4]
+    return recipe_of(call, out, plan_of), (A, absmax, code2, absmax2, converted, *args[_OFFSET + 1 :]), call
+
+
+def compiled_form(*args, plan_of=dequantize_kernel.plan_tiled) -> recipe.Recipe | None:
+    """The compiled path's recipe of a call (``host_launcher.HostOp``): the Python path's, None
+    where the offset needs a conversion the kernel does not make (a host tensor, another dtype)."""
+    r, _, call = python_form(*args, plan_of=plan_of)
+    return r if reads_offset_as_given(call, args[_OFFSET]) else None
+
+
+def reads_offset_as_given(call: Call, offset) -> bool:
+    """Whether the kernel reads a checked call's ``offset`` argument as it is: its tensor, or a
+    Python number passed as the kernel's fp32 argument (not a host tensor's value, nor a conversion)."""
+    return not call.nested or call.scales[3] is offset or offset.__class__ in (int, float)
+
+
+HOST = host_launcher.HostOp("dequantize", ENTRY_ARGS, compiled_form)
+_ENTRY = host_path.entry(HOST)
 
 
 def dequantize_packed(
@@ -201,24 +252,11 @@ def dequantize_packed(
     the fp32 block scales or, with ``code2`` given, their 8-bit codes decoded in the same launch
     as ``code2[absmax] * absmax2[block // blocksize2] + offset``. Returns ``out`` (allocated when
     None) shaped ``shape``; never transposes."""
-    host = host_path.dequantize
-    if host is None:
-        host = host_path.bind_dequantize()
-    if host:
-        result = host(A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
-        if result is not None:
-            if result.__class__ is int:  # the driver refused the launch: name the variant and the error
-                variant = dequantize_kernel.plan(
-                    quant_type, OUT_NAME[dtype], code2 is not None, math.prod(shape), A.get_device()
-                )
-                raise launcher.launch_error(variant.kernel.label, result)
-            return result
-    call = check_call(
-        A, absmax, blocksize, quant_type, shape, dtype, out, code2=code2, absmax2=absmax2, blocksize2=blocksize2,
-        offset=offset,
-    )  # fmt: skip
-    if out is None:
-        out = A.new_empty(call.shape, dtype=dtype)
-    if call.n:
-        dequantize_kernel.launch(*launch_of(call, out))
-    return out
+    args = (A, absmax, code2, absmax2, offset, out, shape, dtype, blocksize, blocksize2, quant_type)
+    if (fn := _ENTRY.fn) is None:
+        fn = _ENTRY.bound()
+    if fn and (result := fn(*args)) is not None:
+        if result.__class__ is tuple:  # (launch index, CUresult)
+            _ENTRY.refused(result, args)
+        return result
+    return recipe.run(*python_form(*args)[:2])

@@ -1,8 +1,7 @@
 """The dequantization kernel, everything about it in one place: its variants (one compiled module
 per quant type, output dtype, scale kind and tiling), its parameter layout, the rules its call's
-tensors obey, the launch plan (tiling, alignment, grid) and the launch itself on PyTorch's
-current stream. The Python path (``api``) and the compiled host path (``host_launcher``) both
-read the rules and the plan from here.
+tensors obey and the launch plan (tiling, alignment, grid); ``dequantize`` turns a call into its
+launch recipe, which either host path runs.
 
 Importable without PyTorch (the compile check lists the variants); PyTorch is bound at the first
 launch.
@@ -79,7 +78,7 @@ OUTPUT = Operand("out", "out", OUT, None)
 LARGE_TILING = (512, 2)
 SMALL_TILING = (256, 4)
 LARGE_MIN_ELEMENTS = 16 << 20
-# Indexed by ``numel >= LARGE_MIN_ELEMENTS`` (the compiled host path picks a tiling the same way).
+# Indexed by ``numel >= LARGE_MIN_ELEMENTS``.
 TILINGS = (SMALL_TILING, LARGE_TILING)
 
 
@@ -164,14 +163,13 @@ class Geometry:
     def grid_and_path(self, packed_ptr: int, out_ptr: int, n: int) -> tuple[int, int]:
         """(blocks, vectorized flag). 16-byte stores need a 16-byte aligned output and aligned
         packed loads; one tile per block (measured fastest, NOTES.md), or one element per thread
-        on the scalar path a misaligned call takes. The compiled host path computes the same
-        from the same four numbers (a test compares the two)."""
+        on the scalar path a misaligned call takes."""
         if packed_ptr % self.packed_align == 0 and out_ptr % OUT_ALIGN == 0:
             return max(1, min(-(-n // self.tile_elems), MAX_GRID)), 1
         return max(1, min(-(-n // self.threads), MAX_GRID)), 0
 
 
-@functools.cache  # every Python-path call asks (launch_of): a few keys, each built once
+@functools.cache  # every Python-path call asks (through its plan): a few keys, each built once
 def geometry(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int, int]) -> Geometry:
     variant = KernelVariant(quant_type, out_dtype, nested, *tiling)
     chunk = variant.chunk_elems
@@ -202,20 +200,3 @@ def plan_tiled(quant_type: str, out_dtype: str, nested: bool, tiling: tuple[int,
         loaded = launcher.load(variant.name, SOURCE, ENTRY, device_index, KERNEL_PARAMS, variant.macros())
         hit = _plans[key] = Plan(loaded, geometry(quant_type, out_dtype, nested, tiling))
     return hit
-
-
-def kernel_args(
-    g: Geometry, scales: tuple[int, int, int, int, int, float], out_ptr: int, n: int, blocksize: int, blocksize2: int
-) -> tuple[int, KernelArgs]:
-    """(grid, arguments) of one launch. ``scales`` holds the first six KernelArgs (packed data,
-    absmax, code2, absmax2, offset pointer and value)."""
-    grid, vectorized = g.grid_and_path(scales[0], out_ptr, n)
-    return grid, KernelArgs(*scales, out_ptr, n, blocksize.bit_length() - 1, blocksize2.bit_length() - 1, vectorized)
-
-
-def launch(key: tuple[str, str, bool, tuple[int, int], int], grid: int, threads: int, args: KernelArgs) -> None:
-    """Enqueue one launch on the current stream of its GPU: ``key`` is (quant type, output dtype,
-    nested, tiling, device index), the rest as ``kernel_args`` forms them for that tiling's geometry;
-    the inputs are valid (the caller checked them)."""
-    p = _plans.get(key) or plan_tiled(*key)  # the key is plan_tiled's own
-    launcher.on_gpu(key[4], lambda stream: launcher.launch(p.kernel, grid, threads, stream, args))

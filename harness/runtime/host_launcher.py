@@ -6,10 +6,10 @@ reads, PyTorch's Python allocation path and the cuda-python binding around a ~2 
 The compiled path does the same checks, allocation and launch in C++ (kernels/NOTES.md has the
 breakdown and the measurements).
 
-It takes a call only when every tensor is already in the form the kernel reads; for anything
-else it answers None and ``api`` runs the Python path, which owns every error message. It knows
-no facts of its own: the quant types, output dtypes, block sizes, tiling threshold and plans
-come from ``dequantize_kernel`` through :func:`configure`.
+It is one interpreter of launch recipes (``recipe``) that names no op: an op binds an entry point
+with its ``HostOp`` (its arguments and compiled form), which the entry asks once per call
+signature; a call the form declines, or whose tensors are not as the kernels read them, runs the
+op's Python path, which owns every error message.
 
 ``NF4_HARNESS_HOST_LAUNCHER`` picks what happens: ``auto`` (default) builds it and falls back to
 the Python path with a warning where it cannot be built (no C++ compiler, no Python headers);
@@ -27,11 +27,13 @@ import shutil
 import sys
 import sysconfig
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness import settings
 from harness.errors import HostLauncherUnavailable
-from harness.runtime import dequantize_kernel, jit, launcher, operands
+from harness.runtime import jit, launcher, operands, recipe
 
 SOURCE = Path(__file__).with_name("host_launcher.cpp")
 MODULE_NAME = "nf4_harness_host"
@@ -131,23 +133,6 @@ def _driver_entry(name: str) -> int:
     return int(address)
 
 
-def _resolve_plan(quant: int, dtype: int, nested: int, tiling: int, device: int) -> tuple[int, ...]:
-    """What the compiled path needs of one plan, loading it on first use."""
-    p = dequantize_kernel.plan_tiled(
-        dequantize_kernel.QUANT_TYPES[quant],
-        dequantize_kernel.OUT_DTYPES[dtype],
-        bool(nested),
-        dequantize_kernel.TILINGS[tiling],
-        device,
-    )
-    return (int(p.kernel.handle), launcher.primary_context(device), *plan_geometry(p.geometry))
-
-
-def plan_geometry(g: dequantize_kernel.Geometry) -> tuple[int, int, int, int]:
-    """A plan's geometry as the compiled path reads it: threads, tile, packed and output alignment."""
-    return g.threads, g.tile_elems, g.packed_align, dequantize_kernel.OUT_ALIGN
-
-
 def subclass_ok(cls: type) -> bool:
     """May the compiled path read a Tensor subclass directly? Only where reading it through Python
     would do the same: the subclass keeps PyTorch's own __torch_function__ and __torch_dispatch__."""
@@ -163,97 +148,65 @@ def subclass_ok(cls: type) -> bool:
     )
 
 
-# The entry point's tensor arguments, in the order host_launcher.cpp takes them (checked at bind).
-ENTRY_ARGS = ("A", "absmax", "code2", "absmax2", "offset", "out")
+@dataclass(frozen=True)
+class HostOp:
+    """What the compiled path needs of an op: a name, its entry's arguments in order, and its
+    compiled form, ``form(*args) -> recipe.Recipe | None``: the launches of a call whose every
+    tensor is as the kernels read it, raising the op's InputError for a bad call and answering None
+    for anything its Python path must take (a conversion, a fallback). The form may decide only from
+    what a call's signature holds (``recipe``'s docstring)."""
+
+    name: str
+    args: tuple[str, ...]
+    form: Callable
 
 
 def configure(
     module,
-    resolve_plan=_resolve_plan,
+    op: HostOp,
+    form: Callable | None = None,
     *,
+    context_of: Callable[[int], int] | None = None,
     launch_kernel=None,
+    launch_kernel_ex=None,
     ctx_get_current=None,
     raw_stream=None,
-    devices=None,
 ):
-    """The module's dequantize entry point bound to the driver entry points, PyTorch's stream
-    lookup, the operand rules and the kernel's facts (each bound entry point has its own plans),
-    taking tensors of the device type the Python path takes (``operands.DEVICE_TYPE``, read
-    now). Tests replace the plan resolver, or bind inert driver entry points where there is no GPU."""
+    """The module's entry point for ``op``, bound to the driver entry points, PyTorch's stream lookup
+    and the op's compiled form (``form`` in its place, and ``context_of(device index)`` for the GPU's
+    primary context, where tests run recipes of stand-in plans); it takes tensors of the device type
+    the Python path takes (``operands.DEVICE_TYPE``, read now). Tests bind inert driver entry points
+    where there is no GPU."""
     import torch
 
-    from harness.runtime.dtypes import DTYPES
+    form = form or op.form
+    context_of = context_of or launcher.primary_context
 
-    if module.entry_args()[: len(ENTRY_ARGS)] != ENTRY_ARGS:
-        raise HostLauncherUnavailable(f"host_launcher.cpp takes {module.entry_args()}, expected {ENTRY_ARGS} first")
-
-    def rules(*table):
-        return operands.encoded(table, ENTRY_ARGS, dequantize_kernel.QUANTITIES)
+    def compiled(*args):
+        r = form(*args)
+        return recipe.encoded(r, context_of(r.device) if r is not None and r.launches else 0)
 
     return module.configure(
         launch_kernel or _driver_entry("cuLaunchKernel"),
+        launch_kernel_ex or _driver_entry("cuLaunchKernelEx"),
         ctx_get_current or _driver_entry("cuCtxGetCurrent"),
         raw_stream or torch._C._cuda_getCurrentRawStream,
-        resolve_plan,
         subclass_ok,
-        dequantize_kernel.QUANT_TYPES,
-        tuple(DTYPES[name] for name in dequantize_kernel.OUT_DTYPES),
-        dequantize_kernel.BLOCKSIZES,
-        dequantize_kernel.LARGE_MIN_ELEMENTS,
-        dequantize_kernel.MAX_GRID,
-        torch.cuda.device_count() if devices is None else devices,
-        dequantize_kernel.QUANTITIES,
-        rules(*dequantize_kernel.PLAIN_OPERANDS),
-        rules(*dequantize_kernel.NESTED_OPERANDS),
-        *rules(dequantize_kernel.OFFSET, dequantize_kernel.OUTPUT),
+        compiled,
+        len(op.args),
         operands.DEVICE_TYPE,
+        recipe.KEY_ALIGN,
+        recipe.ALLOC_ALIGN,
     )
 
 
-# The matmul entry point's arguments, in the order host_launcher.cpp takes them (checked at bind).
-MATMUL_ARGS = (
-    "A", "W", "absmax", "code2", "absmax2", "offset", "bias", "out", "shape", "blocksize", "blocksize2", "quant_type",
-    "max_rows",
-)  # fmt: skip
-
-
-def configure_matmul(module, dequantize_entry, resolve_plan=None, *, crossover, launch_kernel_ex=None):
-    """The module's fused-matmul entry point beside a ``configure``d dequantize entry, whose driver
-    entry points, stream lookup and weight rules it shares (and ``cuLaunchKernelEx``, for grids of
-    clusters): the plans, grids, dtypes, token tiles and shape rules come from ``matmul_kernel``;
-    ``crossover(device index)`` gives a GPU's crossover table (``matmul.crossover_table``), read
-    once: the most rows it fuses by weight size where the caller names none. Tests replace the plan
-    resolver, and bind an inert launch entry point, where there is no GPU."""
-    from harness.runtime import matmul_kernel
-    from harness.runtime.dtypes import DTYPES
-
-    if module.matmul_args() != MATMUL_ARGS:
-        raise HostLauncherUnavailable(f"host_launcher.cpp's matmul takes {module.matmul_args()}, not {MATMUL_ARGS}")
-    return module.configure_matmul(
-        dequantize_entry,
-        resolve_plan or matmul_kernel.host_plan,
-        matmul_kernel.host_grid,
-        crossover,
-        tuple(DTYPES[name] for name in matmul_kernel.DTYPES),
-        matmul_kernel.TOKEN_TILES,
-        matmul_kernel.K_MULTIPLE,
-        matmul_kernel.ALIGN,
-        launch_kernel_ex or _driver_entry("cuLaunchKernelEx"),
-    )
-
-
-def bind_matmul(dequantize_entry, crossover):
-    """The compiled matmul entry beside a bound dequantize entry (``bind``'s): the module is built by then."""
-    return configure_matmul(build(), dequantize_entry, crossover=crossover)
-
-
-def bind():
-    """The compiled entry point ready to call, or None where the Python path is to be used."""
+def bind(op: HostOp):
+    """The compiled entry point of ``op`` ready to call, or None where the Python path is to be used."""
     chosen = mode()
     if chosen == "python":
         return None
     try:
-        entry = configure(build())
+        entry = configure(build(), op)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if chosen == "compiled":

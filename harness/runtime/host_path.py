@@ -1,8 +1,9 @@
-"""Which host path serves a call: the compiled entry points (``host_launcher``), bound once per
-process on the first call, or the Python path alone.
+"""Which host path serves a call: an op's compiled entry point (``host_launcher``), bound once per
+process on the op's first call, or the op's Python path alone.
 
-A call goes to the compiled entry first, which takes it where every tensor is as the kernel reads
-it; anything else runs the op's Python path, which owns every error message.
+A call goes to the compiled entry first, which takes it where every tensor is as the kernels read
+it; anything else runs the op's Python path, which owns every error message. An op's call reads
+its ``Entry``'s ``fn`` itself, so the compiled path costs one attribute read and one call.
 """
 
 from __future__ import annotations
@@ -12,55 +13,55 @@ import threading
 
 import torch
 
-from harness.runtime import host_launcher
+from harness.runtime import host_launcher, launcher
 
-# The compiled dequantization entry: None until the first call binds it, False where the Python path
-# is used. Read directly on every call (a module global, not a function call: host time).
-dequantize = None
-# The compiled matmul entry, bound beside the dequantization entry it was configured from.
-_matmul: tuple = (None, None)
 _lock = threading.Lock()
 
 
-def bind_dequantize():
-    """The compiled dequantization entry, bound on first use (False: the Python path)."""
-    global dequantize
-    with _lock:
-        if dequantize is None:
-            chosen = host_launcher.mode()  # an unknown mode raises here, GPU or not
-            # Without a GPU there is nothing the compiled path could take: no build, no warning.
-            dequantize = (host_launcher.bind() if chosen != "python" and torch.cuda.is_available() else None) or False
-    return dequantize
+class Entry:
+    """One op's compiled entry point. ``fn`` is read on every call (an attribute, not a function
+    call: host time): None until the op's first call binds it (``bound``), False where the Python
+    path is used."""
 
+    def __init__(self, op: host_launcher.HostOp):
+        self.op = op
+        self.fn = None
 
-def matmul_entry(crossover):
-    """The compiled matmul entry (None: the Python path), bound beside the dequantization entry
-    with ``crossover`` (device index -> the GPU's crossover table) as its rows rule; the same
-    binding mode, and ``python_path_only`` turns both off."""
-    global _matmul
-    bound_to, entry = _matmul
-    if bound_to is dequantize and bound_to:  # bound, and beside the entry in use: every call after the first
-        return entry
-    beside = dequantize if dequantize is not None else bind_dequantize()
-    if not beside:
-        return None
-    bound_to, entry = _matmul
-    if bound_to is not beside:
+    def bound(self):
+        """``fn``, bound on first use."""
         with _lock:
-            bound_to, entry = _matmul
-            if bound_to is not beside:
-                entry = host_launcher.bind_matmul(beside, crossover)
-                _matmul = (beside, entry)
-    return entry
+            if self.fn is None:
+                chosen = host_launcher.mode()  # an unknown mode raises here, GPU or not
+                # Without a GPU there is nothing the compiled path could take: no build, no warning.
+                self.fn = (
+                    host_launcher.bind(self.op) if chosen != "python" and torch.cuda.is_available() else None
+                ) or False
+            return self.fn
+
+    def refused(self, result: tuple, args: tuple):
+        """Raise KernelLaunchError for ``fn``'s answer (launch index, CUresult): the driver refused that launch."""
+        kernel = self.op.form(*args).launches[result[0]].kernel
+        raise launcher.launch_error(kernel.label, result[1])
+
+
+_entries: dict[str, Entry] = {}
+
+
+def entry(op: host_launcher.HostOp) -> Entry:
+    """The compiled entry of ``op`` (one per op name and process)."""
+    with _lock:
+        return _entries.setdefault(op.name, Entry(op))
 
 
 @contextlib.contextmanager
 def python_path_only():
     """Run the calls inside through the Python path alone: for side-by-side measurements and tests
     of the two paths (not thread-safe; nothing in the harness uses it outside those)."""
-    global dequantize
-    saved, dequantize = dequantize, False
+    saved = {name: e.fn for name, e in _entries.items()}
+    for e in _entries.values():
+        e.fn = False
     try:
         yield
     finally:
-        dequantize = saved
+        for name, fn in saved.items():
+            _entries[name].fn = fn

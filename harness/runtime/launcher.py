@@ -46,6 +46,7 @@ class ArgPacker:
     ``kernelParams`` array cuLaunchKernel reads (it copies them before returning)."""
 
     def __init__(self, kinds: tuple[str, ...]):
+        self.kinds = tuple(kinds)
         self._struct = struct.Struct("<" + "".join(_SLOT[k] for k in kinds))
         self._buf = np.zeros(len(kinds), dtype=np.uint64)
         base = self._buf.__array_interface__["data"][0]

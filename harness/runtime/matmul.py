@@ -5,9 +5,10 @@
 Inference calls with few rows (``crossover_m``, measured per GPU and weight size) run the fused kernel
 (``matmul_kernel``), which reads the packed weights once and never writes them out; everything
 else, and every call that needs gradients, runs our dequantization kernel and ``F.linear``, as
-bitsandbytes' own fallback does. A fused call goes to the compiled host path first
-(``host_path``'s matmul entry), which takes it where every tensor is as the kernel reads it;
-the rest runs the Python path below, with the same decisions (``takes``). A fused result is not
+bitsandbytes' own fallback does. A fused call is decided (``decide``) and turned into a launch
+recipe (``recipe_of``); the compiled host path (``host_path``) asks ``compiled_form`` for it once
+per call signature and runs it where every tensor is as the kernel reads it; the rest runs the
+Python path below, with the same decision. A fused result is not
 bit-identical to cuBLAS (another summation order); its bound is
 ``harness.correctness.matmul_reference``'s. Bad input raises ``InputError`` before any
 launch.
@@ -21,9 +22,8 @@ from typing import NamedTuple
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, launcher, matmul_kernel, operands
+from harness.runtime import dequantize, host_launcher, host_path, matmul_kernel, operands, recipe
 from harness.runtime.dtypes import ACTIVATION_NAME
-from harness.runtime.host_path import matmul_entry
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
 # from which it holds, rows) by increasing size, the first from 0; above, dequantize + F.linear.
@@ -101,7 +101,7 @@ def needs_grad(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 @functools.cache
 def crossover_table(device_index: int) -> tuple[tuple[int, int], ...]:
-    """This GPU's crossover by weight size (``CROSSOVER_M``): what the compiled path reads once."""
+    """This GPU's crossover by weight size (``CROSSOVER_M``), read once."""
     return CROSSOVER_M.get(torch.cuda.get_device_name(device_index), DEFAULT_CROSSOVER_M)
 
 
@@ -130,21 +130,16 @@ def try_fused(A, B, fields: tuple, nested: dict, bias=None, out=None, any_rows=F
     has a fallback (ours, or the bitsandbytes patch's). The compiled host path takes the call
     where its tensors are as the kernel reads them; the rest comes here, with the same decisions."""
     max_rows = _ANY_ROWS if any_rows else None  # None: the GPU's crossover
-    if (host := matmul_entry(crossover_table)) is not None:
-        absmax, blocksize, quant_type, shape, _dtype = fields
-        code2, absmax2 = nested.get("code2"), nested.get("absmax2")
-        result = host(
-            A, B, absmax, code2, absmax2, nested.get("offset"), bias, out, shape, blocksize, nested.get("blocksize2"),
-            quant_type, max_rows,
-        )  # fmt: skip
-        if result is not None:
-            if result.__class__ is tuple:  # (kernel, CUresult): the driver refused a launch
-                variant = _variant(A, quant_type, code2 is not None, A.numel() // shape[1])
-                p = matmul_kernel.plan(variant, A.device.index)
-                raise launcher.launch_error((p.main, p.finish)[result[0]].label, result[1])
-            return result
-    decided = decide(A, B, fields, nested, bias, max_rows, matmul_kernel.plan)
-    return None if decided is None else _launch(A, *decided, bias, out)
+    absmax, blocksize, quant_type, shape, _dtype = fields
+    code2, absmax2, blocksize2, offset = (nested.get(k) for k in ("code2", "absmax2", "blocksize2", "offset"))
+    args = (A, B, absmax, code2, absmax2, offset, bias, out, shape, blocksize, blocksize2, quant_type, max_rows)
+    if (fn := _ENTRY.fn) is None:
+        fn = _ENTRY.bound()
+    if fn and (result := fn(*args)) is not None:
+        if result.__class__ is tuple:  # (launch index, CUresult)
+            _ENTRY.refused(result, args)
+        return result
+    return _run(python_form(*args), out)
 
 
 class Decision(NamedTuple):
@@ -159,7 +154,7 @@ def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_o
     """The Python path's decision for a call, before it allocates or launches anything: None where
     the fused kernel does not take it (``takes``); else its ``Decision``, the plan from
     ``plan_of(variant, device index)``. A weight that breaks the dequantization call's rules raises
-    InputError. The compiled path decides the same (tests/test_call_rules.py)."""
+    InputError. The compiled path's form runs this (``compiled_form``)."""
     if not takes(A, B, fields, bias, max_rows):
         return None
     call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
@@ -244,29 +239,80 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.T
     (N, K), M = call.shape, A.numel() // call.shape[1]
     if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
-    return _launch(A, call, p, grid, None, None)
+    return _run(_planned(A, decided._replace(grid=grid), None, None), None)
 
 
-def _launch(A, call: dequantize.Call, p: matmul_kernel.Plan, grid: matmul_kernel.Grid, bias, out) -> torch.Tensor:
-    (N, K), device = call.shape, A.device.index
-    M = A.numel() // K
-    direct = writes_directly(out, A, N)
-    target = out if direct else A.new_empty((*A.shape[:-1], N))
-    workspace = A.new_empty(grid.workspace_elements(M, N), dtype=torch.float32)
-    main_args, finish_args = launch_of(A, call, bias, target, grid, workspace.data_ptr())
-    launcher.on_gpu(device, lambda stream: matmul_kernel.launch(p, grid, stream, main_args, finish_args, M, N))
-    return target if direct or out is None else into(out, target)
+def _run(planned: tuple | None, out) -> torch.Tensor | None:
+    """The Python path's launch of ``python_form``'s plan (None: not fused); a result the kernel
+    could not write into ``out`` itself is copied there."""
+    if planned is None:
+        return None
+    target = recipe.run(*planned[:2])
+    return target if out is None or target is out else into(out, target)
 
 
-def launch_of(
-    A, call: dequantize.Call, bias, target, grid: matmul_kernel.Grid, workspace_ptr: int
-) -> tuple[tuple, tuple]:
-    """The Python path's kernel arguments for a checked weight (``call``): the main kernel's and
-    the finish's (``matmul_kernel.launch_args``)."""
-    N, K = call.shape
-    absmax, code2, absmax2, offset, offset_value = call.scales
-    scales = (*(t.data_ptr() if t is not None else 0 for t in (call.A, absmax, code2, absmax2, offset)), offset_value)
-    return matmul_kernel.launch_args(
-        grid, A.data_ptr(), scales, workspace_ptr, bias.data_ptr() if bias is not None else 0, target.data_ptr(),
-        A.numel() // K, N, K, call.blocksize, call.blocksize2,
+def _planned(A, decided: Decision, bias, out) -> tuple[recipe.Recipe, tuple, Decision]:
+    """``python_form``'s answer for a decided call."""
+    call = decided.weight
+    direct = writes_directly(out, A, call.shape[0])
+    # The entry's arguments as the recipe names them, the offset as the kernel reads it.
+    converted = call.scales[3] if call.scales[3] is not None else call.scales[4]
+    args = (A, call.A, *call.scales[:3], converted, bias, out if direct else None)
+    return recipe_of(A, decided, bias, direct), args, decided
+
+
+# The compiled entry's arguments, in order (``recipe.Ref`` indices name them).
+ENTRY_ARGS = (
+    "A", "W", "absmax", "code2", "absmax2", "offset", "bias", "out", "shape", "blocksize", "blocksize2", "quant_type",
+    "max_rows",
+)  # fmt: skip
+
+
+def recipe_of(A, decided: Decision, bias, direct: bool) -> recipe.Recipe:
+    """The launches of a decided call (``decide``): the main kernel, and the finish where it adds
+    the splits, into ``out`` (the entry's argument) where ``direct`` else an allocated output."""
+    call, p, grid = decided
+    (N, K), M = call.shape, A.numel() // call.shape[1]
+    elements = grid.workspace_elements(M, N)
+    main_args, finish_args = matmul_kernel.launch_args(
+        grid, recipe.ptr(0), dequantize.scale_refs(call, 1), recipe.WORKSPACE if elements else 0,
+        recipe.ptr(ENTRY_ARGS.index("bias")), recipe.OUT, M, N, K, call.blocksize, call.blocksize2,
     )  # fmt: skip
+    launches = [recipe.Launch(p.main, grid.blocks, p.threads, main_args, matmul_kernel.cluster_of(grid))]
+    if grid.finished:
+        launches.append(
+            recipe.Launch(p.finish, (grid.finish_blocks(M, N), 1, 1), matmul_kernel.FINISH_THREADS, finish_args)
+        )
+    out = ENTRY_ARGS.index("out") if direct else ((*A.shape[:-1], N), A.dtype)
+    return recipe.Recipe(A.get_device(), out, 0, elements, tuple(launches))
+
+
+def python_form(*args, plan_of=matmul_kernel.plan) -> tuple[recipe.Recipe, tuple, Decision] | None:
+    """The Python path's plan of a fused call given as the entry's ``args`` (``ENTRY_ARGS``): its
+    recipe, the arguments that recipe runs with and the decision; None where the fused kernel does
+    not take the call (``decide``, whose weight checks raise InputError)."""
+    A, W, absmax, code2, absmax2, offset, bias, out, shape, blocksize, blocksize2, quant_type, max_rows = args
+    nested = {} if code2 is None else {"code2": code2, "absmax2": absmax2, "blocksize2": blocksize2, "offset": offset}
+    decided = decide(A, W, (absmax, blocksize, quant_type, shape, A.dtype), nested, bias, max_rows, plan_of)
+    return None if decided is None else _planned(A, decided, bias, out)
+
+
+def compiled_form(*args, plan_of=matmul_kernel.plan) -> recipe.Recipe | None:
+    """The compiled path's recipe of a call (``host_launcher.HostOp``): the Python path's, None where
+    it does not fuse the call, copies the result into ``out`` or converts the offset."""
+    if not isinstance(args[0], torch.Tensor):
+        return None
+    planned = python_form(*args, plan_of=plan_of)
+    if planned is None:
+        return None
+    r, run_args, decided = planned
+    out = args[ENTRY_ARGS.index("out")]
+    if (out is not None and run_args[ENTRY_ARGS.index("out")] is not out) or not dequantize.reads_offset_as_given(
+        decided.weight, args[ENTRY_ARGS.index("offset")]
+    ):
+        return None
+    return r
+
+
+HOST = host_launcher.HostOp("matmul", ENTRY_ARGS, compiled_form)
+_ENTRY = host_path.entry(HOST)

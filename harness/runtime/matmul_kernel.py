@@ -421,7 +421,7 @@ def launch_args(
     """The main kernel's arguments (``MAIN_PARAMS``) and the finish's (``FINISH_PARAMS``);
     ``scales`` holds (packed weights, absmax, code2, absmax2, offset pointer, offset value); the
     workspace holds ``grid.workspace_elements(M, N)`` fp32 (no initial value: every element is
-    written). The compiled host path (``host_launcher.cpp``) fills the same slots."""
+    written). Either value may be a ``recipe.Ref`` the host path fills per call."""
     main_args = (
         A_ptr, *scales, workspace_ptr, bias_ptr, out_ptr, M, N, K, blocksize.bit_length() - 1,
         blocksize2.bit_length() - 1, grid.steps_per_split,
@@ -429,39 +429,6 @@ def launch_args(
     return main_args, (workspace_ptr, bias_ptr, out_ptr, M, N, grid.splits)
 
 
-def launch(p: Plan, grid: Grid, stream: int, main_args: tuple, finish_args: tuple, M: int, N: int) -> None:
-    """Enqueue the main kernel (and, when the finish adds the splits, the finish) on ``stream`` with
-    ``launch_args``' arguments; ``p`` is the variant's plan on the stream's GPU (``plan``), ``grid``
-    its grid for the call."""
-    launcher.launch(p.main, grid.blocks, p.threads, stream, main_args, cluster_of(grid))
-    if grid.finished:
-        launcher.launch(p.finish, grid.finish_blocks(M, N), FINISH_THREADS, stream, finish_args)
-
-
 def cluster_of(grid: Grid) -> int:
     """Blocks a cluster of the main launch holds along y (1: no cluster)."""
     return grid.splits if grid.clustered else 1
-
-
-# The compiled host path's view of the above (host_launcher.configure_matmul): indices into
-# DTYPES, QUANT_TYPES and TOKEN_TILES, plain tuples it reads without Python attribute lookups.
-def host_plan(dtype: int, quant: int, nested: int, tokens: int, device_index: int) -> tuple[int, ...]:
-    """(main kernel, finish kernel, their context, threads of the main kernel, its dynamic shared
-    memory bytes, threads of the finish, blocks per SM, SMs, clusters it holds at once by splits
-    (``Plan.max_clusters``, handed back to ``host_grid`` as it is)) of a variant on a GPU, loading it
-    on first use."""
-    p = plan(MatmulVariant(DTYPES[dtype], QUANT_TYPES[quant], bool(nested), TOKEN_TILES[tokens]), device_index)
-    return (
-        int(p.main.handle), int(p.finish.handle), launcher.primary_context(device_index), p.threads,
-        p.main.shared_bytes, FINISH_THREADS, p.blocks_per_sm, p.sms, p.max_clusters,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4096)
-def host_grid(
-    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
-) -> tuple[int, ...]:
-    """(feature groups, splits, token tiles, steps per split, finish blocks (0: no finish), cluster
-    blocks along y (1: none)): ``grid_for`` as a tuple."""
-    g = grid_for(M, N, K, tokens, blocks_per_sm, sms, max_clusters)
-    return (*g.blocks, g.steps_per_split, g.finish_blocks(M, N) if g.finished else 0, cluster_of(g))

@@ -1,9 +1,9 @@
 """What a call's tensors must be, stated once as data: each op has a table of ``Operand`` rules.
 
-Two paths read a table. The Python path (:func:`check`) raises ``InputError`` naming the
-operand and the rule it breaks. The compiled host path (``host_launcher.cpp``) is handed the same
-table when it is bound and declines any call that breaks a rule, so the Python path then takes
-the call and names the rule. A test runs one battery of bad calls through both paths on the CPU.
+:func:`check` raises ``InputError`` naming the operand and the rule it breaks; both host paths
+reach it (the compiled one through the op's compiled form, once per call signature), so a rule
+is stated and checked in one place. A test runs one battery of bad calls through both paths on
+the CPU.
 
 Sizes are written as ``Count(num, den)``: ceil(num / den) elements, where ``num`` and ``den``
 name quantities of the call that each op defines (the element count ``n``, the number of
@@ -108,29 +108,3 @@ def check(
                 _fail(f"{label} holds {have} bytes but shape {tuple(shape)} needs {need}")
         elif t.numel() < need if operand.count.at_least else t.numel() != need:
             _fail(f"{label} must hold {need} elements for this shape and block size, got {t.numel()}")
-
-
-def encoded(operands: tuple[Operand, ...], args: tuple[str, ...], quantities: tuple[str, ...]) -> tuple:
-    """A table as the compiled host path reads it: per operand (argument index, dtype: a
-    torch.dtype, None for BYTES or the string "out", numerator and denominator quantity indices,
-    at-least flag, minimum dims, same-shape-as-the-call flag)."""
-    rows = []
-    for o in operands:
-        named = (o.count.num, o.count.den) if o.count else ()
-        unknown = ({o.arg} - set(args)) | (set(named) - set(quantities))
-        if unknown:
-            raise ValueError(f"operand {o.label!r} names {sorted(unknown)}, which the compiled path does not know")
-        dtype = None if o.dtype == BYTES else OUT if o.dtype == OUT else torch_dtype(o.dtype)
-        count = o.count or Count("one")
-        rows.append(
-            (
-                args.index(o.arg),
-                dtype,
-                quantities.index(count.num),
-                quantities.index(count.den),
-                count.at_least,
-                o.min_dims,
-                o.count is None,
-            )
-        )
-    return tuple(rows)
