@@ -127,6 +127,11 @@ def test_a_signature_is_asked_of_the_op_once_and_each_call_fills_its_own_address
     with torch.enable_grad():
         module.describe(entry, x.requires_grad_(), y, 0.5, 3)
     assert module.signatures(entry) == 2 + len(others) and len(asked) == 2 + len(others)
+    # Past the table's first size (64 slots at half load) every signature is still found, not asked again.
+    many = [_at_256_bytes(100 + i) for i in range(100)]
+    for t in many + many:
+        module.describe(entry, t, t, 0.5, 3)
+    assert module.signatures(entry) == 2 + len(others) + len(many) and len(asked) == 2 + len(others) + len(many)
     # What no signature holds never reaches the form: the Python path takes it.
     assert module.describe(entry, x.detach()[::2], y, 0.5, 3) is None  # not contiguous
     assert module.describe(entry, x.detach(), y, 1e39, 3) is None  # past fp32: struct.pack refuses it

@@ -27,7 +27,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -69,22 +68,18 @@ constexpr size_t kMaxRecipes = 4096;  // signatures kept; past it the cache star
 
 // A call's signature: tagged words, one group an argument (recipe.py's docstring says what counts).
 enum Tag : int64_t { kNone, kTensor, kInt, kFloat, kString, kDtype, kSequence, kBool };
+// Its hash is formed word by word as it is written.
 struct Key {
   int n = 0;
+  uint64_t h = 0;
   int64_t w[kMaxKey];
   bool push(int64_t v) {
     if (n == kMaxKey) return false;
     w[n++] = v;
+    h = (h ^ static_cast<uint64_t>(v)) * 0x9e3779b97f4a7c15ull;
     return true;
   }
-  bool operator==(const Key& o) const { return n == o.n && std::memcmp(w, o.w, n * sizeof(int64_t)) == 0; }
-};
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = static_cast<uint64_t>(k.n);
-    for (int i = 0; i < k.n; ++i) h = (h ^ static_cast<uint64_t>(k.w[i])) * 0x9e3779b97f4a7c15ull;
-    return static_cast<size_t>(h ^ (h >> 29));
-  }
+  uint64_t hash() const { return h ^ (h >> 29); }
 };
 
 // recipe.py's encoded form.
@@ -111,6 +106,61 @@ struct Recipe {
   std::vector<std::pair<int, int>> numbers;  // (launch, slot) of every kNumber slot
 };
 
+// The kept recipes by signature: open addressing on the signature's hash, doubled at half full,
+// started over past kMaxRecipes (a model's calls have a few dozen signatures).
+class RecipeTable {
+ public:
+  // The kept answer for `key` (a null recipe: declined), or nullptr where none is kept.
+  const std::shared_ptr<const Recipe>* find(const Key& key) const {
+    if (slots_.empty()) return nullptr;
+    const uint64_t hash = key.hash();
+    for (size_t i = hash & mask();; i = (i + 1) & mask()) {
+      const Entry& e = slots_[i];
+      if (!e.used) return nullptr;
+      if (e.hash == hash && e.words.size() == static_cast<size_t>(key.n) &&
+          std::memcmp(e.words.data(), key.w, key.n * sizeof(int64_t)) == 0)
+        return &e.recipe;
+    }
+  }
+  void insert(const Key& key, std::shared_ptr<const Recipe> recipe) {
+    if (find(key) != nullptr) return;  // another thread kept one first
+    if (count_ >= kMaxRecipes) {
+      slots_.clear();
+      count_ = 0;
+    }
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    place(Entry{true, key.hash(), std::vector<int64_t>(key.w, key.w + key.n), std::move(recipe)});
+    ++count_;
+  }
+  size_t size() const { return count_; }
+
+ private:
+  struct Entry {
+    bool used = false;
+    uint64_t hash = 0;
+    std::vector<int64_t> words;
+    std::shared_ptr<const Recipe> recipe;
+  };
+  size_t mask() const { return slots_.size() - 1; }
+  void place(Entry e) {
+    for (size_t i = e.hash & mask();; i = (i + 1) & mask()) {
+      if (!slots_[i].used) {
+        slots_[i] = std::move(e);
+        return;
+      }
+    }
+  }
+  void grow() {
+    std::vector<Entry> old = std::move(slots_);
+    slots_ = std::vector<Entry>(std::max<size_t>(64, 2 * old.size()));
+    for (Entry& e : old) {
+      if (e.used) place(std::move(e));
+    }
+  }
+  std::vector<Entry> slots_;  // a power of two of them
+  size_t count_ = 0;
+};
+
 // The caches are read and written with the GIL held and never across a Python call, so with a GIL
 // the GIL is their lock (a mutex cost a call about 25 ns); a free-threaded Python gets a mutex.
 #ifdef Py_GIL_DISABLED
@@ -135,7 +185,7 @@ struct Config {
   int nargs = 0, key_align_log2 = 0;
   int64_t alloc_align = 1;
   CacheMutex mutex;  // guards the two caches; never held across a Python call
-  std::unordered_map<Key, std::shared_ptr<const Recipe>, KeyHash> recipes;  // null: the form declined
+  RecipeTable recipes;
   std::vector<std::pair<PyTypeObject*, bool>> subclass_cache;
 
   ~Config() {
@@ -337,8 +387,7 @@ std::shared_ptr<const Recipe> parse_recipe(Config* config, PyObject* r) {
 std::shared_ptr<const Recipe> recipe_of(Config* config, const Key& key, PyObject* const* args, Py_ssize_t nargs) {
   {
     std::lock_guard<CacheMutex> guard(config->mutex);
-    auto it = config->recipes.find(key);
-    if (it != config->recipes.end()) return it->second;
+    if (const auto* kept = config->recipes.find(key)) return *kept;
   }
   // Asked without holding the mutex (Python may switch threads while it compiles); two threads
   // asking for one signature get the same answer. An error the form raises (a bad call named by
@@ -354,8 +403,7 @@ std::shared_ptr<const Recipe> recipe_of(Config* config, const Key& key, PyObject
   }
   Py_DECREF(r);
   std::lock_guard<CacheMutex> guard(config->mutex);
-  if (config->recipes.size() >= kMaxRecipes) config->recipes.clear();
-  config->recipes.emplace(key, recipe);
+  config->recipes.insert(key, recipe);
   return recipe;
 }
 
