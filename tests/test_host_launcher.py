@@ -144,6 +144,17 @@ def _at_256_bytes(n: int) -> torch.Tensor:
     return buffer[skip : skip + n]
 
 
+def test_the_shared_host_machinery_names_no_op():
+    """The compiled path is one interpreter for every op: an op's name, its modules or its
+    arguments written into it would make the next op edit it (README, "Adding an op")."""
+    from harness.runtime import ops
+
+    words = {op.name for op in ops.OPS} | {"dequantiz", "quant", "absmax", "blocksize", "token"}
+    for name in ("host_launcher.cpp", "host_launcher.py", "host_path.py", "recipe.py"):
+        text = (host_launcher.SOURCE.parent / name).read_text().lower()
+        assert not [w for w in words if w in text], name
+
+
 def launcher_kernel(label, kinds):
     """A stand-in of a loaded kernel (no GPU): a label, parameter kinds and a handle."""
     from harness.runtime import launcher
