@@ -110,9 +110,9 @@ def _resolved(planned, described) -> tuple | None:
             launch.threads,
             launch.kernel.shared_bytes,
             launch.cluster_y,
-            tuple(recipes.slot_bits(kind, v) for kind, v in zip(launch.kernel.packer.kinds, values, strict=False)),
+            tuple(recipes.slot_bits(kind, v) for kind, v in zip(launch.kernel.packer.kinds, values, strict=True)),
         )
-        for launch, values in zip(r.launches, filled, strict=False)
+        for launch, values in zip(r.launches, filled, strict=True)
     )
     return out_ptr, workspace_ptr if r.workspace else 0, launches
 
