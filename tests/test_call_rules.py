@@ -14,6 +14,7 @@ must raise the same error or decline. The registered op's fake implementation (w
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import re
 from unittest import mock
@@ -56,15 +57,17 @@ def module():
     return host_launcher.build()
 
 
-_stand_ins: dict[int, str] = {}  # stand-in kernel handle -> its label
+_stand_ins: dict[int, launcher.LoadedKernel] = {}  # by handle
 
 
 @functools.cache
 def _stand_in_kernel(label: str, kinds: tuple[str, ...], shared_bytes: int = 0) -> launcher.LoadedKernel:
     """A kernel as a plan holds it, without a GPU: its label, parameter kinds and a handle of its own."""
     handle = 0x1000 + len(_stand_ins)
-    _stand_ins[handle] = label
-    return launcher.LoadedKernel(label, -1, None, launcher.ArgPacker(kinds), handle, shared_bytes)
+    kernel = _stand_ins[handle] = launcher.LoadedKernel(
+        label, -1, None, launcher.ArgPacker(kinds), handle, shared_bytes
+    )
+    return kernel
 
 
 def _stand_in_plan(quant_type, out_dtype, nested, tiling, _device) -> dequantize_kernel.Plan:
@@ -152,10 +155,10 @@ def _signature(call: dict) -> tuple:
 def test_the_battery_covers_both_tilings_both_store_paths_and_both_offset_forms(module, entry):
     launches = [_describe(module, entry, *call_battery.positional(call))[2] for call in VALID.values()]
     taken = [launch for launches_of_call in launches for launch in launches_of_call]
-    labels = {_stand_ins[launch[0]] for launch in taken}
+    labels = {_stand_ins[launch[0]].label for launch in taken}
     assert all(any(label.endswith(f"-t{t}-u{u}") for label in labels) for t, u in dequantize_kernel.TILINGS)
     assert {launch[5][10] for launch in taken} == {0, 1}  # the vectorized flag
-    assert {launch[5][4] == 0 for launch in taken if "nested" in _stand_ins[launch[0]]} == {True, False}  # offset forms
+    assert {launch[5][4] == 0 for launch in taken if "nested" in _stand_ins[launch[0]].label} == {True, False}
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -360,7 +363,7 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
         except InputError:
             launches[name] = None
     taken = [described[2] for described in launches.values() if described is not None]
-    variants = [_stand_ins[launch[0][0]] for launch in taken]
+    variants = [_stand_ins[launch[0][0]].label for launch in taken]
     assert {int(v.split("-m")[1].split("-")[0]) for v in variants} == set(matmul_kernel.TOKEN_TILES)
     assert any(launch[0][3] > 0 for launch in taken), "no kernel with dynamic shared memory"
     assert {launch[0][1][1] > 1 for launch in taken} == {True, False}
@@ -374,3 +377,122 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
     expected = {"over-max-rows", "crossover-smaller-weight", "A-requires-grad", "weight-codes-short", "out-dtype"}
     assert expected <= declined
     assert "at-max-rows" not in declined and "crossover" not in declined
+
+
+# ---- The entry itself: what it hands the driver ----
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute as the compiled path lays it out (an id padded to 8 bytes, a 64-byte value)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+_LAUNCH_EX = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+_CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+CONTEXT, STREAM = 0xC0DE, 0x5EED
+
+
+class _Driver:
+    """Driver entry points that record what they are handed instead of launching (ctypes callbacks
+    at the addresses the compiled path calls); ``fail_at`` makes that launch return CUresult 700."""
+
+    def __init__(self, current=CONTEXT, fail_at=None):
+        self.launches, self.current, self.fail_at = [], current, fail_at
+        self._keep = (_LAUNCH(self._launch), _LAUNCH_EX(self._launch_ex), _CTX(self._ctx))
+
+    def addresses(self) -> dict:
+        launch, launch_ex, ctx = (ctypes.cast(f, ctypes.c_void_p).value for f in self._keep)
+        return {"launch_kernel": launch, "launch_kernel_ex": launch_ex, "ctx_get_current": ctx}
+
+    def _slots(self, function, params):
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        count = len(_stand_ins[function].packer.kinds)
+        return tuple(ctypes.cast(pointers[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(count))
+
+    def _record(self, function, grid, block, shared, stream, cluster, params) -> int:
+        self.launches.append((function, grid, block, shared, stream, cluster, self._slots(function, params)))
+        return 700 if len(self.launches) - 1 == self.fail_at else 0
+
+    def _launch(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        return self._record(f, (gx, gy, gz), (bx, by, bz), shared, stream, None, params)
+
+    def _launch_ex(self, config, f, params, extra):
+        # Recorded, not asserted here: an exception inside a ctypes callback is printed and dropped.
+        c = config.contents
+        attributes = tuple((a.id, *a.value[:3]) for a in c.attrs[: c.num_attrs])
+        return self._record(f, tuple(c.grid), tuple(c.block), c.shared, c.stream, attributes, params)
+
+    def _ctx(self, out):
+        out[0] = self.current
+        return 0
+
+
+def _driven(module, op, form, driver: _Driver):
+    with on_host():
+        return host_launcher.configure(
+            module, op, form, context_of=lambda device: CONTEXT, raw_stream=lambda device: STREAM,
+            **driver.addresses(),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MATMUL))
+def test_the_entry_hands_the_driver_what_describe_answers(module, name):
+    """The launch itself (not ``describe``): each kernel, grid, block, dynamic shared memory,
+    cluster (through cuLaunchKernelEx's config) and argument slot, on PyTorch's current stream;
+    the output and workspace addresses are the call's own."""
+    form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(MAX_CLUSTERS))
+    args = call_battery.matmul_positional(MATMUL[name])
+    try:
+        described = _describe(module, _bind(module, matmul.HOST, form), *args)
+    except InputError:
+        return  # the Python path raises it too (the test above)
+    driver = _Driver()
+    with on_host():
+        result = _driven(module, matmul.HOST, form, driver)(*args)
+    if described is None:
+        assert result is None and driver.launches == []
+        return
+    out_ptr, workspace_ptr, launches = described
+    assert isinstance(result, torch.Tensor) and len(driver.launches) == len(launches)
+    if MATMUL[name]["out"] is not None:
+        assert result is MATMUL[name]["out"]
+    workspaces = set()
+    for got, (function, grid, threads, shared, cluster, slots) in zip(driver.launches, launches, strict=True):
+        # cuLaunchKernel without clusters; cuLaunchKernelEx with one attribute, the cluster's dimension (id 4).
+        clusters = None if cluster == 1 else ((4, 1, cluster, 1),)
+        assert got[:6] == (function, grid, (threads, 1, 1), shared, STREAM, clusters)
+        for mine, theirs in zip(got[6], slots, strict=True):
+            if theirs == out_ptr:
+                assert mine == result.data_ptr()
+            elif workspace_ptr and theirs == workspace_ptr:
+                workspaces.add(mine)
+            else:
+                assert mine == theirs
+    assert len(workspaces) == (1 if workspace_ptr else 0) and 0 not in workspaces  # one workspace, both kernels
+
+
+def test_the_entry_declines_on_another_context_and_names_a_refused_launch(module):
+    form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(()))
+    call = call_battery.make_matmul_call((3,), N=200, K=4096, max_rows=1 << 62)
+    args = call_battery.matmul_positional(call)
+    _, _, launches = _describe(module, _bind(module, matmul.HOST, form), *args)
+    assert len(launches) == 2, "the case must launch the main kernel and the finish (K split)"
+    elsewhere, refusing = _Driver(current=CONTEXT + 1), _Driver(fail_at=1)
+    with on_host():
+        assert _driven(module, matmul.HOST, form, elsewhere)(*args) is None and elsewhere.launches == []
+        assert _driven(module, matmul.HOST, form, refusing)(*args) == (1, 700) and len(refusing.launches) == 2
