@@ -450,27 +450,35 @@ def _driven(module, op, form, driver: _Driver):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(MATMUL))
-def test_the_entry_hands_the_driver_what_describe_answers(module, name):
+ENTRY_CASES = [("dequantize", name) for name in VALID] + [("matmul", name) for name in MATMUL]
+
+
+@pytest.mark.parametrize(("op", "name"), ENTRY_CASES, ids=[f"{op}-{name}" for op, name in ENTRY_CASES])
+def test_the_entry_hands_the_driver_what_describe_answers(module, op, name):
     """The launch itself (not ``describe``): each kernel, grid, block, dynamic shared memory,
     cluster (through cuLaunchKernelEx's config) and argument slot, on PyTorch's current stream;
-    the output and workspace addresses are the call's own."""
-    form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(MAX_CLUSTERS))
-    args = call_battery.matmul_positional(MATMUL[name])
+    the output and workspace addresses are the call's own, a given output is returned as it is."""
+    if op == "dequantize":
+        host, call = dequantize.HOST, VALID[name]
+        form, args = functools.partial(dequantize.compiled_form, plan_of=_stand_in_plan), call_battery.positional(call)
+    else:
+        host, call = matmul.HOST, MATMUL[name]
+        form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(MAX_CLUSTERS))
+        args = call_battery.matmul_positional(call)
     try:
-        described = _describe(module, _bind(module, matmul.HOST, form), *args)
+        described = _describe(module, _bind(module, host, form), *args)
     except InputError:
-        return  # the Python path raises it too (the test above)
+        return  # the Python path raises it too (the tests above)
     driver = _Driver()
     with on_host():
-        result = _driven(module, matmul.HOST, form, driver)(*args)
+        result = _driven(module, host, form, driver)(*args)
     if described is None:
         assert result is None and driver.launches == []
         return
     out_ptr, workspace_ptr, launches = described
     assert isinstance(result, torch.Tensor) and len(driver.launches) == len(launches)
-    if MATMUL[name]["out"] is not None:
-        assert result is MATMUL[name]["out"]
+    if call["out"] is not None:
+        assert result is call["out"]
     workspaces = set()
     for got, (function, grid, threads, shared, cluster, slots) in zip(driver.launches, launches, strict=True):
         # cuLaunchKernel without clusters; cuLaunchKernelEx with one attribute, the cluster's dimension (id 4).
