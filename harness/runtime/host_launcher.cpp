@@ -502,17 +502,23 @@ int launch_one(Config* config, const KernelLaunch& k, uint64_t* slots, void* str
   return config->launch_ex(&launch, k.function, params, nullptr);
 }
 
+// A call's recipe and its plain tensors (what entry and describe share); a null recipe where the
+// Python path must take the call.
+std::shared_ptr<const Recipe> recipe_for(Config* config, PyObject* const* args, Py_ssize_t nargs,
+                                         const at::Tensor** tensors) {
+  Key key;
+  if (nargs != config->nargs || !signature(config, args, nargs, &key, tensors)) return nullptr;
+  return recipe_of(config, key, args, nargs);
+}
+
 // entry(*args) -> the output; None where the Python path must take the call; (launch index,
 // CUresult) where the driver refused a launch.
 PyObject* entry(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   Config* config = config_of(capsule);
   if (config == nullptr) return nullptr;
-  if (nargs != config->nargs) Py_RETURN_NONE;
-  Key key;
   const at::Tensor* tensors[kMaxArgs];
-  if (!signature(config, args, nargs, &key, tensors)) Py_RETURN_NONE;
-  const std::shared_ptr<const Recipe> recipe = recipe_of(config, key, args, nargs);
+  const std::shared_ptr<const Recipe> recipe = recipe_for(config, args, nargs, tensors);
   if (!recipe) Py_RETURN_NONE;
   if (!recipe->launches.empty()) {
     void* current = nullptr;
@@ -558,16 +564,12 @@ PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
   HANDLE_TH_ERRORS
   Config* config = entry_config(args, nargs, "describe");
   if (config == nullptr) return nullptr;
-  ++args;
-  --nargs;
-  if (nargs != config->nargs) Py_RETURN_NONE;
-  Key key;
   const at::Tensor* tensors[kMaxArgs];
-  if (!signature(config, args, nargs, &key, tensors)) Py_RETURN_NONE;
-  const std::shared_ptr<const Recipe> recipe = recipe_of(config, key, args, nargs);
+  const std::shared_ptr<const Recipe> recipe = recipe_for(config, args + 1, nargs - 1, tensors);
   if (!recipe) Py_RETURN_NONE;
-  auto f = std::make_unique<Filled>();
-  if (!fill(config, *recipe, args, tensors, f.get())) Py_RETURN_NONE;
+  ++args;
+  Filled f;
+  if (!fill(config, *recipe, args, tensors, &f)) Py_RETURN_NONE;
   PyObject* launches = PyTuple_New(static_cast<Py_ssize_t>(recipe->launches.size()));
   if (launches == nullptr) return nullptr;
   for (size_t k = 0; k < recipe->launches.size(); ++k) {
@@ -577,7 +579,7 @@ PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
       Py_DECREF(launches);
       return nullptr;
     }
-    for (size_t j = 0; j < l.slots.size(); ++j) PyTuple_SET_ITEM(slots, j, PyLong_FromUnsignedLongLong(f->slots[k][j]));
+    for (size_t j = 0; j < l.slots.size(); ++j) PyTuple_SET_ITEM(slots, j, PyLong_FromUnsignedLongLong(f.slots[k][j]));
     PyObject* item = Py_BuildValue("K(III)IIIN", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(l.function)),
                                    l.grid[0], l.grid[1], l.grid[2], l.threads, l.shared, l.cluster_y, slots);
     if (item == nullptr) {
@@ -586,8 +588,8 @@ PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
     }
     PyTuple_SET_ITEM(launches, k, item);
   }
-  const uint64_t workspace = recipe->workspace > 0 ? reinterpret_cast<uint64_t>(f->workspace.data_ptr()) : 0;
-  return Py_BuildValue("KKN", static_cast<unsigned long long>(address(f->out)),
+  const uint64_t workspace = recipe->workspace > 0 ? reinterpret_cast<uint64_t>(f.workspace.data_ptr()) : 0;
+  return Py_BuildValue("KKN", static_cast<unsigned long long>(address(f.out)),
                        static_cast<unsigned long long>(workspace), launches);
   END_HANDLE_TH_ERRORS
 }
