@@ -81,6 +81,13 @@ __device__ __forceinline__ u32 lookup(const u32* table, const PairAddresses& a) 
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(table) + offset);
 }
 
+// The thread's index read again (a volatile read: the compiler cannot keep an earlier one live).
+__device__ __forceinline__ unsigned fresh_tid() {
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid;
+}
+
 // Weights are read once: streaming loads. kWords 32-bit words of a lane's run of one feature.
 template <int kWords>
 struct Run {
@@ -109,7 +116,13 @@ struct Lane {
     const unsigned char* w_lo;
     i64 e_lo;
     int to_hi;  // elements from the first feature's row to the second's (8 rows, fewer when clamped)
-    int g, t;
+    int t;
+    // The token row whose activations the lane reads in the first token tile (in the second, 8 on).
+    // One tile: g clamped to the tile's last row, so at fewer than 8 rows lanes past M (never
+    // stored) read a real row; held instead of g, which the step forms again from the thread's
+    // index (held as well, it spilled at 128 registers on sm_80). Two tiles: g, as before
+    // (measured: the clamp and the re-formed g cost the 16-token kernel about 1%).
+    int act_row;
 };
 
 template <int kChunk>
@@ -237,7 +250,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
         s_hi[i] = scale_of(w.p_hi[i], true, s_code2, offset);
     }
     if (!kTail && more) load_scales<kChunk, kNextInside>(w, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
-    const int quad = ln.g << 2;
+    const int quad = NT8 == 1 ? fresh_tid() & 0x1c : ln.act_row << 2;  // the feature pair's first lane, g * 4
 #pragma unroll
     for (int c = 0; c < S::chunks; ++c) {
         if (kTail && step * STEP_K + c * kChunk >= K) break;
@@ -250,7 +263,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
             uint4 act[NT8];  // piece v of the run in each token tile's row g
 #pragma unroll
             for (int i = 0; i < NT8; ++i)
-                act[i] = tile[act_slot<kChunk>(ln.g + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
+                act[i] = tile[act_slot<kChunk>(ln.act_row + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
             const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
             const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
             const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};
@@ -330,13 +343,6 @@ __device__ __forceinline__ void with_chunk(Lane& ln, const unsigned char* __rest
     ln.e_lo += t * kChunk;
 }
 
-// The thread's index read again (a volatile read: the compiler cannot keep an earlier one live).
-__device__ __forceinline__ unsigned fresh_tid() {
-    unsigned tid;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    return tid;
-}
-
 // The first of a lane's two features (the second is 8 on).
 __device__ __forceinline__ int first_feature(unsigned tid) {
     return (blockIdx.x * MM_WARPS + (tid >> 5)) * 16 + ((tid & 31) >> 2);
@@ -370,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
         const int rows = work.rows, first = work.first, last = work.last;
 
         Lane ln;
-        ln.g = g;
         ln.t = t;
+        ln.act_row = NT8 == 1 ? min(g, rows - 1) : g;
         ln.e_lo = (i64)min(n_lo, N - 1) * K;
         ln.to_hi = (min(n_hi, N - 1) - min(n_lo, N - 1)) * K;
 

@@ -265,7 +265,11 @@ def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
     return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
 
 
-_M8P_PIECE = _source_expression(_M8P, r"tile\[act_slot<kChunk>\(ln\.g \+ 8 \* i, ([^\]]+)\)\]", "c, kChunk, t, S, v")
+# The row the kernel reads is ln.act_row + 8 * i: g, clamped to the tile's rows inside M, which moves
+# only lanes whose token lies past M (never stored); this emulation reads row g for every lane.
+_M8P_PIECE = _source_expression(
+    _M8P, r"tile\[act_slot<kChunk>\(ln\.act_row \+ 8 \* i, ([^\]]+)\)\]", "c, kChunk, t, S, v"
+)
 
 
 class _Shape:

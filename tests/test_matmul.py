@@ -21,7 +21,7 @@ from harness.correctness import cases
 from harness.correctness import matmul_reference as mr
 from harness.correctness.bitcompare import assert_bit_exact, poison_
 from harness.errors import InputError, KernelCompileError
-from harness.runtime import dequantize, dtypes, host_path, launcher, matmul, matmul_kernel
+from harness.runtime import api, dequantize, dtypes, host_path, launcher, matmul, matmul_kernel
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 from tests import hopper_plans as hopper
 
@@ -338,8 +338,11 @@ def test_a_bad_out_or_bias_is_an_input_error_before_anything_runs(monkeypatch, c
     def ran(*args, **kwargs):
         raise AssertionError("a kernel path ran before the input error")
 
+    # api binds dequantize_packed by name when first imported: imported above (never while this
+    # patch stands, which would leave it bound for the rest of the process), and patched here too.
     monkeypatch.setattr(matmul, "try_fused", ran)
     monkeypatch.setattr(dequantize, "dequantize_packed", ran)
+    monkeypatch.setattr(api, "dequantize_packed", ran)
     with pytest.raises(InputError, match=message):
         harness.matmul_4bit(A, B.t(), _host_state(device=device), out=out, bias=bias)
 
