@@ -32,7 +32,6 @@ from harness.runtime import (
     matmul,
     matmul_kernel,
     operands,
-    torch_op,
 )
 from harness.runtime import recipe as recipes
 
@@ -184,7 +183,7 @@ def test_a_bad_call_fails_tracing_with_the_same_error(name):
         call, message = _on_fake_cuda(mode, BAD[name][0]), BAD[name][1]
         message = message.replace("A must be on a", "A must be on a CUDA")
         with pytest.raises(InputError, match=_literal(message)):
-            torch_op._check(**_op_arguments(call))
+            dequantize.check_traced(**_op_arguments(call))
 
 
 def test_a_valid_call_traces():
@@ -192,7 +191,7 @@ def test_a_valid_call_traces():
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         for call in (VALID["nf4-torch.bfloat16-nested"], VALID["storage-torch.bfloat16"], VALID["offset-number"]):
-            torch_op._check(**_op_arguments(_on_fake_cuda(mode, call)))
+            dequantize.check_traced(**_op_arguments(_on_fake_cuda(mode, call)))
 
 
 def _on_fake_cuda(mode, call):
@@ -211,7 +210,7 @@ def _on_fake_cuda(mode, call):
 
 
 def _op_arguments(call: dict) -> dict:
-    """The registered op's arguments for a battery call (``torch_op.call``'s packing)."""
+    """The registered op's arguments for a battery call (``dequantize.traced_call``'s packing)."""
     offset = call["offset"]
     return dict(
         A=call["A"],

@@ -145,12 +145,13 @@ def _at_256_bytes(n: int) -> torch.Tensor:
 
 
 def test_the_shared_host_machinery_names_no_op():
-    """The compiled path is one interpreter for every op: an op's name, its modules or its
-    arguments written into it would make the next op edit it (README, "Adding an op")."""
+    """The compiled path is one interpreter for every op, and the torch op registration one
+    registrar: an op's name, its modules or its arguments written into them would make the next op
+    edit them (README, "Adding an op")."""
     from harness.runtime import ops
 
     words = {op.name for op in ops.OPS} | {"dequantiz", "quant", "absmax", "blocksize", "token"}
-    for name in ("host_launcher.cpp", "host_launcher.py", "host_path.py", "recipe.py"):
+    for name in ("host_launcher.cpp", "host_launcher.py", "host_path.py", "recipe.py", "torch_op.py"):
         text = (host_launcher.SOURCE.parent / name).read_text().lower()
         assert not [w for w in words if w in text], name
 

@@ -1,6 +1,7 @@
 """The drop-ins: ``dequantize_4bit`` and ``matmul_4bit`` with bitsandbytes 0.50.2's signatures,
 defaults and results. Eager calls run ``dequantize`` and ``matmul``; under ``torch.compile`` each
-call becomes its registered op (``torch_op``), which runs the same code when the graph runs.
+call becomes its op's registered op (each op's ``TORCH_OPS``, registered through ``torch_op``),
+which runs the same code when the graph runs.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from typing import Any
 import torch
 
 from harness.errors import InputError
-from harness.runtime import matmul, torch_op
+from harness.runtime import matmul
 
 # Bound here, not looked up on the module each call: the drop-in's host time.
 from harness.runtime.dequantize import (
     check_explicit_args,
     dequantize_packed,
     quant_state_args,
+    traced_call,
     transposed_like_bitsandbytes,
 )
 
@@ -51,7 +53,7 @@ def dequantize_4bit(
         HostLauncherUnavailable: that setting is ``compiled`` and the compiled host path cannot be built.
     """
     if _is_compiling():
-        return torch_op.call(A, quant_state, absmax, out, blocksize, quant_type)
+        return traced_call(A, quant_state, absmax, out, blocksize, quant_type)
     if quant_state is None:
         check_explicit_args(absmax, out)
         result = dequantize_packed(
@@ -90,6 +92,6 @@ def matmul_4bit(
         _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
     if _is_compiling():
         matmul.check_out_and_bias(A, matmul.result_features(A, quant_state.shape)[0], out, bias)
-        return matmul.into(out, torch_op.matmul_call(A, B, quant_state, bias))
+        return matmul.into(out, matmul.traced_call(A, B, quant_state, bias))
     fields, nested = quant_state_args(quant_state)
     return matmul.matmul_parts(A, B, fields, nested, out, bias)

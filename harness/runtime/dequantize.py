@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize_kernel, host_launcher, host_path, operands, recipe
+from harness.runtime import dequantize_kernel, host_launcher, host_path, operands, recipe, route_counts, torch_op
 from harness.runtime.dequantize_kernel import BLOCKSIZES, QUANT_TYPES
-from harness.runtime.dtypes import OUT_NAME
+from harness.runtime.dtypes import DTYPES, OUT_NAME
 
 # What a call on host tensors is told (the compiled path and the registered op only see CUDA ones).
 CUDA_ONLY = (
@@ -260,3 +260,152 @@ def dequantize_packed(
             _ENTRY.refused(result, args)
         return result
     return recipe.run(*python_form(*args)[:2])
+
+
+# --- Under torch.compile: the registered ops (``torch_op``) and the traced drop-in's calls ---------
+
+
+def _registered_dequantize(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+) -> torch.Tensor:
+    return _run_registered(
+        A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value
+    )
+
+
+def _registered_dequantize_fake(
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value
+):
+    check_traced(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
+    return A.new_empty(shape, dtype=dtype)
+
+
+def _registered_dequantize_out(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+    out: torch.Tensor,
+) -> None:
+    _run_registered(
+        A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value
+    )
+
+
+def _registered_dequantize_out_fake(
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out
+):
+    check_traced(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
+
+
+def _run_registered(
+    A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value
+):
+    nested = nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
+    result = dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+    route_counts.count("compiled op", True)
+    return result
+
+
+TORCH_OPS = (
+    torch_op.TorchOp("dequantize_4bit", _registered_dequantize, _registered_dequantize_fake),
+    torch_op.TorchOp(
+        "dequantize_4bit_out", _registered_dequantize_out, _registered_dequantize_out_fake, mutates_args=("out",)
+    ),
+)
+torch_op.register(TORCH_OPS)
+
+
+def check_traced(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
+    """A registered op's arguments checked while the graph is traced, with eager mode's InputError."""
+    if offset is not None and offset.device.type == "cpu":
+        offset = offset_value  # a host offset is read with .item() at run time; a fake has no value
+    nested = nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
+    check_call(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+
+
+def nested_keywords(code2, absmax2, blocksize2, offset, offset_value) -> dict:
+    """The registered ops' nested arguments as ``dequantize_packed``'s keywords (none when plain)."""
+    if code2 is None:
+        return {}
+    return {
+        "code2": code2,
+        "absmax2": absmax2,
+        "blocksize2": blocksize2,
+        "offset": offset if offset is not None else offset_value,
+    }
+
+
+def registered_state_args(quant_state, dtype) -> tuple:
+    """A quant state's fields as the registered ops' arguments after ``A`` (the nested ones included)."""
+    offset, offset_value, code2, absmax2, blocksize2 = None, 0.0, None, None, 0
+    if quant_state.nested:
+        state2 = quant_state.state2
+        code2, absmax2, blocksize2 = state2.code, state2.absmax, state2.blocksize
+        if isinstance(quant_state.offset, torch.Tensor):
+            offset = quant_state.offset
+        else:
+            offset_value = float(quant_state.offset)
+    shape = list(quant_state.shape)
+    return (
+        quant_state.absmax,
+        quant_state.blocksize,
+        quant_state.quant_type,
+        shape,
+        dtype,
+        code2,
+        absmax2,
+        blocksize2,
+        offset,
+        offset_value,
+    )
+
+
+def traced_takes(A, quant_state) -> bool:
+    """Whether the patched bitsandbytes function, being traced, sends a call to our op: judged on
+    its configuration (the same tables as eager mode); everything else about the call is checked
+    by the op's fake implementation. Anything else stays with bitsandbytes' own traced ops."""
+    if not (isinstance(A, torch.Tensor) and A.is_cuda and A.dim() > 0):
+        return False
+    if quant_state.dtype not in DTYPES.values() or quant_state.blocksize not in BLOCKSIZES:
+        return False
+    if quant_state.quant_type not in QUANT_TYPES:
+        return False
+    if quant_state.nested:
+        state2 = quant_state.state2
+        return state2 is not None and state2.dtype == torch.float32 and quant_state.offset is not None
+    return True
+
+
+def traced_call(A, quant_state, absmax=None, out=None, blocksize=None, quant_type="fp4"):
+    """The traced equivalent of ``api.dequantize_4bit``, same arguments."""
+    if quant_state is None:
+        check_explicit_args(absmax, out)
+        blocksize = 64 if blocksize is None else blocksize
+        args = (A, absmax, blocksize, quant_type, list(out.shape), out.dtype, None, None, 0, None, 0.0)
+        torch_op.registered("dequantize_4bit_out")(*args, out)
+        return transposed_like_bitsandbytes(A, out)
+    args = (A, *registered_state_args(quant_state, quant_state.dtype))
+    if out is None:
+        result = torch_op.registered("dequantize_4bit")(*args)
+    else:
+        torch_op.registered("dequantize_4bit_out")(*args, out)
+        result = out
+    return transposed_like_bitsandbytes(A, result)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, host_launcher, host_path, matmul_kernel, operands, recipe
+from harness.runtime import dequantize, host_launcher, host_path, matmul_kernel, operands, recipe, torch_op
 from harness.runtime.dtypes import ACTIVATION_NAME
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
@@ -77,7 +77,7 @@ def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:
 
 def matmul_parts(A, B, fields: tuple, nested: dict, out=None, bias=None) -> torch.Tensor:
     """``matmul_4bit`` on a quant state read into ``dequantize.quant_state_args``' form: what the
-    drop-in and its registered op (``torch_op``) both run."""
+    drop-in and its registered op (``TORCH_OPS``) both run."""
     absmax, blocksize, quant_type, shape, _dtype = fields
     N, transposed = result_features(A, shape)
     check_out_and_bias(A, N, out, bias)
@@ -316,3 +316,53 @@ def compiled_form(*args, plan_of=matmul_kernel.plan) -> recipe.Recipe | None:
 
 HOST = host_launcher.HostOp("matmul", ENTRY_ARGS, compiled_form)
 _ENTRY = host_path.entry(HOST)
+
+
+# --- Under torch.compile: the registered op (``torch_op``) and the traced drop-in's call ---------
+
+
+def _registered_matmul(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    code2: torch.Tensor | None,
+    absmax2: torch.Tensor | None,
+    blocksize2: int,
+    offset: torch.Tensor | None,
+    offset_value: float,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    nested = dequantize.nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
+    return matmul_parts(A, B, (absmax, blocksize, quant_type, shape, dtype), nested, None, bias)
+
+
+def _registered_matmul_fake(
+    A, B, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, bias
+):
+    features, transposed = result_features(A, shape)
+    weight_dtype = dtype if transposed else A.dtype  # what eager mode decodes the weight into
+    dequantize.check_traced(
+        B, absmax, blocksize, quant_type, shape, weight_dtype, None, code2, absmax2, blocksize2, offset, offset_value
+    )
+    return A.new_empty((*A.shape[:-1], features))
+
+
+TORCH_OPS = (torch_op.TorchOp("matmul_4bit", _registered_matmul, _registered_matmul_fake),)
+torch_op.register(TORCH_OPS)
+
+
+def traced_call(A, B, quant_state, bias):
+    """The traced equivalent of ``api.matmul_4bit`` without ``out``: with gradients, the
+    dequantization op and an F.linear autograd differentiates; without, one matmul op."""
+    if needs_grad(A, bias):
+        _features, transposed = result_features(A, quant_state.shape)
+        # As eager mode: a [K, N] weight in the quant state's dtype, cast after; else in A's.
+        state_args = dequantize.registered_state_args(quant_state, quant_state.dtype if transposed else A.dtype)
+        W = torch_op.registered("dequantize_4bit")(B, *state_args)
+        return torch.nn.functional.linear(A, W.to(A.dtype).t() if transposed else W, bias)
+    state_args = dequantize.registered_state_args(quant_state, quant_state.dtype)
+    return torch_op.registered("matmul_4bit")(A, B, *state_args, bias)

@@ -18,7 +18,7 @@ looked up at call time, so rebinding them reroutes every caller (``SEAMS``):
   holds that op run ours too.
 
 Under ``torch.compile`` the ``functional`` seam calls our own registered op
-``nf4_harness::dequantize_4bit`` (``harness.runtime.torch_op``), so compiled graphs keep the fused
+``nf4_harness::dequantize_4bit`` (``dequantize.TORCH_OPS``), so compiled graphs keep the fused
 nested decode; the two ``backends.cuda.ops`` seams run inside bitsandbytes' ops, which compiled
 graphs call as opaque kernels.
 
@@ -118,7 +118,7 @@ _compiled_decode_mode = False  # whether it lets transformers compile 4-bit mode
 def _functional_wrapper(original, matmul: bool = False):
     import torch
 
-    from harness.runtime import api, torch_op
+    from harness.runtime import api, dequantize
 
     is_compiling = torch.compiler.is_compiling
 
@@ -127,8 +127,8 @@ def _functional_wrapper(original, matmul: bool = False):
         if is_compiling():
             # Traced: our registered op when the call is one it takes, judged on what tracing
             # knows (device, dtypes, block size); bitsandbytes' own ops otherwise.
-            if quant_state is not None and torch_op.takes(A, quant_state):
-                return torch_op.call(A, quant_state, out=out)
+            if quant_state is not None and dequantize.traced_takes(A, quant_state):
+                return dequantize.traced_call(A, quant_state, out=out)
             return original(A, quant_state, absmax, out, blocksize, quant_type)
         try:
             result = api.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
