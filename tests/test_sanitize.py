@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.correctness import sanitize
+from harness.correctness import sanitize, sanitize_cases
 from harness.runtime import matmul_kernel, ops
 from tests import hopper_plans as hopper
 
@@ -94,7 +94,7 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
     and the finish kernel), and the 8-token kernel's last step past K (its zero tables), on any
     GPU that holds three blocks."""
     seen = set()
-    for M, N, K in sanitize.MATMUL_SHAPES:
+    for M, N, K in sanitize_cases.MATMUL_SHAPES:
         tokens = matmul_kernel.token_tile(M)
         grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms)
         partial_step = K % matmul_kernel.step_k(tokens) != 0
@@ -114,7 +114,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     H200 report)."""
     plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
     ways = set()
-    for M, N, K in sanitize.MATMUL_SHAPES:
+    for M, N, K in sanitize_cases.MATMUL_SHAPES:
         tokens = matmul_kernel.token_tile(M)
         per_sm, clusters = plans.get(tokens, (4, ()))
         grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters)
@@ -125,3 +125,28 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
             ways.add((tokens, "cluster of an odd size"))
     assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways
     assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways
+
+
+def test_every_op_has_sanitizer_cases():
+    assert set(sanitize_cases.CASES) == {op.name for op in ops.OPS}
+
+
+def test_the_sanitized_process_runs_every_ops_cases_and_fails_on_any_wrong_output(monkeypatch, capsys):
+    """The driver names no op: it runs each op's cases from the registry and fails when any op's
+    cases report a wrong output."""
+    import torch
+
+    seen = []
+
+    def cases_of(name, wrong):
+        return lambda inputs, device: seen.append((name, inputs, device)) or wrong
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(sanitize_cases, "CASES", {op.name: cases_of(op.name, 0) for op in ops.OPS})
+    assert sanitize.run_cases("raw") == 0
+    assert seen == [(op.name, "raw", torch.device("cuda", 0)) for op in ops.OPS]
+    last = ops.OPS[-1].name
+    monkeypatch.setattr(sanitize_cases, "CASES", {op.name: cases_of(op.name, op.name == last) for op in ops.OPS})
+    assert sanitize.run_cases("bnb") == 1
+    assert "cases: 1 outputs differ" in capsys.readouterr().out
