@@ -35,7 +35,7 @@ ATTACK_CASE_IDS = (
 
 
 def _cases(case_ids) -> list:
-    return [c for c in catalog.kernel_cases() + catalog.matmul_cases() if c.id in case_ids]
+    return [c for c in catalog.timed_cases() if c.id in case_ids]
 
 
 @pytest.fixture(autouse=True, scope="module")

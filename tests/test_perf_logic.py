@@ -21,6 +21,7 @@ import torch
 from harness.perf import baseline, catalog, gate, gpu_info, gpu_timer, policy, report, sides, stage, tree_guard
 from harness.perf.gpu_timer import StopRule, ThrottleRule, relative_noise
 from harness.perf.stats import PairedRatio, holm, relative_spread
+from harness.runtime import ops
 
 LARGE, SMALL = policy.size_class(200_000_000), policy.size_class(5_000_000)
 GPU = {
@@ -665,8 +666,8 @@ def test_a_side_is_named_by_a_commit_only_at_the_top_of_its_checkout(tmp_path):
 def test_every_case_the_catalog_times_has_its_kind_in_the_stage():
     """The stage asks a case's kind for its inputs, call, reference and check (``stage.KINDS``):
     a catalog case of a kind it does not know would fail only on a GPU, in the middle of a session."""
-    kinds = {case.kind for case in [*catalog.kernel_cases(), *catalog.matmul_cases()]}
-    assert kinds == set(stage.KINDS) == {"dequantize", "matmul"}
+    kinds = {case.kind for case in catalog.timed_cases()}
+    assert kinds == set(stage.KINDS) == {op.name for op in ops.OPS}
     assert all(kind.name == name for name, kind in stage.KINDS.items())
 
 

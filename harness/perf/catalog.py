@@ -149,6 +149,11 @@ def kernel_cases() -> list[DequantizeCase]:
     return out
 
 
+def timed_cases() -> list[KernelCase]:
+    """Every case a perf session times, of every op (``kind``: an op of ``harness.runtime.ops.OPS``)."""
+    return [*kernel_cases(), *matmul_cases()]
+
+
 # The end-to-end case: one QLoRA training step (forward, loss, backward) of a 2-layer
 # Llama-3.3-70B-sized model with the patch applied; report-only (see policy and harness/perf/README.md).
 E2E_STEP = "e2e-qlora-llama-3.3-70b-2layers-step"

@@ -1,6 +1,11 @@
-"""The ops this package ships, each behind one descriptor of its kernels: the shared machinery that
-compiles, records or sanitizes every kernel (``harness.compile_check``, ``harness.correctness.sanitize``)
-iterates ``OPS`` instead of naming ops. Another op is its own kernel module and one line here.
+"""The ops this package ships, each behind one descriptor: its kernels (variants, compile specs,
+entry points) and its call module (the module that holds its ``HostOp`` for the compiled host
+path and its ``TORCH_OPS`` for torch.compile). The shared machinery that compiles, records or
+sanitizes every kernel (``harness.compile_check``, ``harness.correctness.sanitize``) iterates
+``OPS`` instead of naming ops, and the tooling's per-op tables (``harness.perf.stage.KINDS``,
+``harness.correctness.sanitize_cases.CASES``) are keyed by ``Op.name``; tests/test_op_registry.py
+fails for an op missing from any of them. Another op is its own kernel and call modules, one line
+here and one entry in each of those tables.
 
 Importable without PyTorch (the compile check runs on machines without it).
 """
@@ -19,11 +24,24 @@ class Op:
     variants: Callable[[], list]  # every variant a call can launch: what the compile check compiles
     spec_for: Callable[[object, str], jit.CompileSpec]  # (variant, GPU arch) -> its compile spec
     entries: tuple[str, ...]  # the kernels' entry points (a sanitizer report names them)
+    call_module: str  # the op's call module (imported by name: this module loads without PyTorch)
 
 
 OPS = (
-    Op("dequantize", dequantize_kernel.all_variants, dequantize_kernel.spec_for, (dequantize_kernel.ENTRY,)),
-    Op("matmul", matmul_kernel.all_variants, matmul_kernel.spec_for, (matmul_kernel.ENTRY, matmul_kernel.FINISH)),
+    Op(
+        "dequantize",
+        dequantize_kernel.all_variants,
+        dequantize_kernel.spec_for,
+        (dequantize_kernel.ENTRY,),
+        "harness.runtime.dequantize",
+    ),
+    Op(
+        "matmul",
+        matmul_kernel.all_variants,
+        matmul_kernel.spec_for,
+        (matmul_kernel.ENTRY, matmul_kernel.FINISH),
+        "harness.runtime.matmul",
+    ),
 )
 
 

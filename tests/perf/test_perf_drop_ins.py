@@ -12,7 +12,7 @@ from .conftest import Replay, replay_into
 
 pytestmark = pytest.mark.gpu
 
-CASES = catalog.kernel_cases() + catalog.matmul_cases()
+CASES = catalog.timed_cases()
 
 
 @pytest.mark.benchmark(timer=Replay.clock, disable_gc=True, warmup=False)
