@@ -10,7 +10,9 @@ bitsandbytes would silently read out of bounds or reinterpret memory for the inp
 A call becomes a launch recipe (``recipe_of``). It goes to the compiled host path first
 (``host_path``), which asks ``compiled_form`` once per call signature and runs the recipe where
 every tensor is as the kernel reads it; anything else runs the Python path below. Both reach the
-same checks (``check_call``: ``dequantize_kernel``'s rule tables), which name every error.
+same checks (``check_call``: ``dequantize_kernel``'s rule tables), which name every error. Under
+``torch.compile`` the call is one of this op's registered ops (``TORCH_OPS``, registered through
+``torch_op`` as this module loads), reached by ``traced_call``.
 """
 
 from __future__ import annotations

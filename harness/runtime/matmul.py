@@ -11,7 +11,8 @@ per call signature and runs it where every tensor is as the kernel reads it; the
 Python path below, with the same decision. A fused result is not
 bit-identical to cuBLAS (another summation order); its bound is
 ``harness.correctness.matmul_reference``'s. Bad input raises ``InputError`` before any
-launch.
+launch. Under ``torch.compile`` the call is this op's registered op (``TORCH_OPS``, registered
+through ``torch_op`` as this module loads), reached by ``traced_call``.
 """
 
 from __future__ import annotations
