@@ -472,5 +472,5 @@ def test_a_second_copy_of_the_op_module_keeps_the_first_registration(monkeypatch
     monkeypatch.setitem(sys.modules, spec.name, second)  # dataclasses look their module up there
     spec.loader.exec_module(second)
     first = torch.ops.nf4_harness.dequantize_4bit.default
-    second.register([second.TorchOp(t.name, t.fn, t.fake, t.mutates_args) for t in dequantize.TORCH_OPS])
+    second.register([second.TorchOp(t.name, t.fn, t.fake, t.schema, t.mutates_args) for t in dequantize.TORCH_OPS])
     assert torch.ops.nf4_harness.dequantize_4bit.default is first

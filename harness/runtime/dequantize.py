@@ -267,58 +267,16 @@ def dequantize_packed(
 # --- Under torch.compile: the registered ops (``torch_op``) and the traced drop-in's calls ---------
 
 
-def _registered_dequantize(
-    A: torch.Tensor,
-    absmax: torch.Tensor,
-    blocksize: int,
-    quant_type: str,
-    shape: list[int],
-    dtype: torch.dtype,
-    code2: torch.Tensor | None,
-    absmax2: torch.Tensor | None,
-    blocksize2: int,
-    offset: torch.Tensor | None,
-    offset_value: float,
-) -> torch.Tensor:
-    return _run_registered(
-        A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value
-    )
-
-
-def _registered_dequantize_fake(
-    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value
-):
-    check_traced(A, absmax, blocksize, quant_type, shape, dtype, None, code2, absmax2, blocksize2, offset, offset_value)
-    return A.new_empty(shape, dtype=dtype)
-
-
-def _registered_dequantize_out(
-    A: torch.Tensor,
-    absmax: torch.Tensor,
-    blocksize: int,
-    quant_type: str,
-    shape: list[int],
-    dtype: torch.dtype,
-    code2: torch.Tensor | None,
-    absmax2: torch.Tensor | None,
-    blocksize2: int,
-    offset: torch.Tensor | None,
-    offset_value: float,
-    out: torch.Tensor,
-) -> None:
-    _run_registered(
-        A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value
-    )
-
-
-def _registered_dequantize_out_fake(
-    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out
-):
-    check_traced(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value)
+# A quant state's fields as the registered ops take them after their tensors, in
+# ``registered_state_args``' order: stated once for every op's schema.
+STATE_SCHEMA = (
+    "Tensor absmax, SymInt blocksize, str quant_type, SymInt[] shape, ScalarType dtype, "
+    "Tensor? code2, Tensor? absmax2, SymInt blocksize2, Tensor? offset, float offset_value"
+)
 
 
 def _run_registered(
-    A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out=None
 ):
     nested = nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
     result = dequantize_packed(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
@@ -326,21 +284,37 @@ def _run_registered(
     return result
 
 
-TORCH_OPS = (
-    torch_op.TorchOp("dequantize_4bit", _registered_dequantize, _registered_dequantize_fake),
-    torch_op.TorchOp(
-        "dequantize_4bit_out", _registered_dequantize_out, _registered_dequantize_out_fake, mutates_args=("out",)
-    ),
-)
-torch_op.register(TORCH_OPS)
+def _run_registered_out(*args) -> None:
+    _run_registered(*args)
 
 
-def check_traced(A, absmax, blocksize, quant_type, shape, dtype, out, code2, absmax2, blocksize2, offset, offset_value):
+def _dequantize_fake(A, *state):
+    check_traced(A, *state)
+    shape, dtype = state[3:5]
+    return A.new_empty(shape, dtype=dtype)
+
+
+def check_traced(
+    A, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, out=None
+) -> None:
     """A registered op's arguments checked while the graph is traced, with eager mode's InputError."""
     if offset is not None and offset.device.type == "cpu":
         offset = offset_value  # a host offset is read with .item() at run time; a fake has no value
     nested = nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
     check_call(A, absmax, blocksize, quant_type, shape, dtype, out, **nested)
+
+
+TORCH_OPS = (
+    torch_op.TorchOp("dequantize_4bit", _run_registered, _dequantize_fake, f"(Tensor A, {STATE_SCHEMA}) -> Tensor"),
+    torch_op.TorchOp(
+        "dequantize_4bit_out",
+        _run_registered_out,
+        check_traced,
+        f"(Tensor A, {STATE_SCHEMA}, Tensor(a!) out) -> ()",
+        mutates_args=("out",),
+    ),
+)
+torch_op.register(TORCH_OPS)
 
 
 def nested_keywords(code2, absmax2, blocksize2, offset, offset_value) -> dict:

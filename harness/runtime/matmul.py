@@ -322,37 +322,29 @@ _ENTRY = host_path.entry(HOST)
 # --- Under torch.compile: the registered op (``torch_op``) and the traced drop-in's call ---------
 
 
-def _registered_matmul(
-    A: torch.Tensor,
-    B: torch.Tensor,
-    absmax: torch.Tensor,
-    blocksize: int,
-    quant_type: str,
-    shape: list[int],
-    dtype: torch.dtype,
-    code2: torch.Tensor | None,
-    absmax2: torch.Tensor | None,
-    blocksize2: int,
-    offset: torch.Tensor | None,
-    offset_value: float,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    nested = dequantize.nested_keywords(code2, absmax2, blocksize2, offset, offset_value)
-    return matmul_parts(A, B, (absmax, blocksize, quant_type, shape, dtype), nested, None, bias)
+def _registered_matmul(A, B, *state_and_bias):
+    *state, bias = state_and_bias
+    absmax, blocksize, quant_type, shape, dtype, *nested = state
+    fields = (absmax, blocksize, quant_type, shape, dtype)
+    return matmul_parts(A, B, fields, dequantize.nested_keywords(*nested), None, bias)
 
 
-def _registered_matmul_fake(
-    A, B, absmax, blocksize, quant_type, shape, dtype, code2, absmax2, blocksize2, offset, offset_value, bias
-):
+def _registered_matmul_fake(A, B, *state_and_bias):
+    absmax, blocksize, quant_type, shape, dtype, *nested, _bias = state_and_bias
     features, transposed = result_features(A, shape)
     weight_dtype = dtype if transposed else A.dtype  # what eager mode decodes the weight into
-    dequantize.check_traced(
-        B, absmax, blocksize, quant_type, shape, weight_dtype, None, code2, absmax2, blocksize2, offset, offset_value
-    )
+    dequantize.check_traced(B, absmax, blocksize, quant_type, shape, weight_dtype, *nested)
     return A.new_empty((*A.shape[:-1], features))
 
 
-TORCH_OPS = (torch_op.TorchOp("matmul_4bit", _registered_matmul, _registered_matmul_fake),)
+TORCH_OPS = (
+    torch_op.TorchOp(
+        "matmul_4bit",
+        _registered_matmul,
+        _registered_matmul_fake,
+        f"(Tensor A, Tensor B, {dequantize.STATE_SCHEMA}, Tensor? bias) -> Tensor",
+    ),
+)
 torch_op.register(TORCH_OPS)
 
 

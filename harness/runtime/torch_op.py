@@ -23,8 +23,9 @@ NAMESPACE = "nf4_harness"
 @dataclass(frozen=True)
 class TorchOp:
     name: str  # registered as NAMESPACE::name
-    fn: Callable  # what the graph runs (its annotations are the op's schema)
+    fn: Callable  # what the graph runs, called with the schema's arguments in order
     fake: Callable  # checks a traced call and returns its output's metadata
+    schema: str  # the arguments and result, e.g. "(Tensor A, int n) -> Tensor"
     mutates_args: tuple[str, ...] = ()
 
 
@@ -32,9 +33,10 @@ def register(ops: Iterable[TorchOp]) -> None:
     """Registers each op not registered yet in this process."""
     for op in ops:
         if not hasattr(getattr(torch.ops, NAMESPACE), op.name):
-            torch.library.custom_op(f"{NAMESPACE}::{op.name}", op.fn, mutates_args=op.mutates_args).register_fake(
-                op.fake
+            registered_op = torch.library.custom_op(
+                f"{NAMESPACE}::{op.name}", op.fn, mutates_args=op.mutates_args, schema=op.schema
             )
+            registered_op.register_fake(op.fake)
 
 
 def registered(name: str):
