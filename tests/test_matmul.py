@@ -305,7 +305,7 @@ def _host_state(N=48, K=96, nested=False, device="cpu"):
 # on host tensors as on the GPU (the fallback used to fail inside F.linear or the copy into out,
 # after its kernels ran).
 OUT_AND_BIAS = {
-    "out-shape": ({"out": (4, 48)}, r"Expected out.shape == \(3, 48\), got \(4, 48\)"),
+    "out-shape": ({"out": (4, 48)}, r"Expected out.shape == \(3, 48\), got torch.Size\(\[4, 48\]\)"),
     "out-flat": ({"out": (144,)}, r"Expected out.shape == \(3, 48\)"),
     "bias-short": (
         {"bias": (47,)},
@@ -317,6 +317,7 @@ OUT_AND_BIAS = {
         "bias must be torch.bfloat16 like A, got torch.float32",
     ),
     "bias-list": ({"bias": "list"}, "bias must be a torch.Tensor, got list"),
+    "out-list": ({"out": "list"}, "out must be a torch.Tensor, got list"),
 }
 
 
@@ -328,7 +329,11 @@ def test_a_bad_out_or_bias_is_an_input_error_before_anything_runs(monkeypatch, c
     what, message = OUT_AND_BIAS[case]
     A = torch.zeros(3, 96, dtype=torch.bfloat16, device=device)
     B = torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8, device=device)
-    out = torch.empty(what["out"], dtype=A.dtype, device=device) if "out" in what else None
+    out = what.get("out")
+    if out == "list":
+        out = [[0.0] * 48] * 3
+    elif out is not None:
+        out = torch.empty(out, dtype=A.dtype, device=device)
     bias = what.get("bias")
     if bias == "list":
         bias = [0.0] * 48
@@ -353,6 +358,9 @@ def test_a_bias_of_one_value_and_an_out_of_another_dtype_are_still_taken():
     A = torch.zeros(3, 96, dtype=torch.bfloat16)
     matmul.check_out_and_bias(A, 48, torch.empty(3, 48, dtype=torch.float32), torch.zeros(1, dtype=A.dtype))
     matmul.check_out_and_bias(A, 48, None, torch.zeros((), dtype=A.dtype))
+    # Neither needs to be dense (F.linear and the copy take any layout), nor out on A's device.
+    matmul.check_out_and_bias(A, 48, torch.empty(3, 48, device="meta"), None)
+    matmul.check_out_and_bias(A, 48, torch.empty(48, 3, dtype=A.dtype).t(), torch.zeros(96, dtype=A.dtype)[::2])
 
 
 @pytest.mark.parametrize(

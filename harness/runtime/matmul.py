@@ -44,24 +44,12 @@ def _fail(message: str):
 
 
 def check_out_and_bias(A: torch.Tensor, N: int, out: torch.Tensor | None, bias: torch.Tensor | None) -> None:
-    """The rules of ``out`` and ``bias``, checked before anything is launched (else the fallback
-    fails in F.linear or the copy into ``out``, after its kernels ran). ``out`` holds the result's
-    shape, in any dtype and on any device (filled by a copy where the kernel cannot write it);
-    ``bias`` is what F.linear adds and bitsandbytes takes: in A's dtype, on A's device, N values
-    or one."""
-    result = (*A.shape[:-1], N)
-    if out is not None and tuple(out.shape) != result:
-        _fail(f"Expected out.shape == {result}, got {tuple(out.shape)}")
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor):
-        _fail(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-    if bias.dim() > 1 or bias.numel() not in (N, 1):
-        _fail(f"bias must hold the weight's {N} output features (or one value), got shape {tuple(bias.shape)}")
-    if bias.dtype != A.dtype:
-        _fail(f"bias must be {A.dtype} like A, got {bias.dtype}")
-    if bias.device != A.device:
-        _fail(f"bias is on {bias.device}, but A is on {A.device}; all tensors must be on the same device")
+    """The rules of ``out`` and ``bias`` (``matmul_kernel.OPERANDS``), checked before anything is
+    launched (else the fallback fails in F.linear or the copy into ``out``, after its kernels ran)."""
+    given, quantities = {"out": out, "bias": bias}, {"N": N, "one": 1}
+    for operand in matmul_kernel.OPERANDS:
+        if (t := given[operand.arg]) is not None:
+            operands.check(operand, t, A.device, quantities, A.dtype, (*A.shape[:-1], N))
 
 
 def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:

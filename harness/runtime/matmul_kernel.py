@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from harness.runtime import jit, launcher
+from harness.runtime.operands import ANY, LIKE_A, Count, Operand
 
 # Up to 16 tokens each decoded weight feeds one or two mmas, so the decode is the work. With nested
 # scales, a shared-memory table of code pairs, the scale applied to fp32 sums (SOURCE_M8_PAIRS: 2.7
@@ -63,6 +64,17 @@ STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 3
 PAIR_TABLE_BYTES = 256 * 32 * 4  # SOURCE_M8_PAIRS' table: 256 pairs of codes, 32 copies of each
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
+# The call's operands beside A and the weight (whose rules are the dequantization call's), as data
+# for ``operands.check``, in the order they are checked: the output, which a copy fills where the
+# kernel cannot write it (any dtype, device or layout), and the bias, which F.linear adds
+# (bitsandbytes takes one of N values or a single one, in A's dtype, any layout).
+OPERANDS = (
+    Operand("out", "out", ANY, None, dense=False, same_device=False),
+    Operand(
+        "bias", "bias", LIKE_A, Count("N", or_one=True), max_dims=1, dense=False,
+        holds="the weight's {need} output features (or one value)",
+    ),
+)  # fmt: skip
 
 # A, W, absmax, code2, absmax2, offset pointer, offset value, partial, bias, out, M, N, K,
 # log2 block size, log2 second-level block size, steps per split.

@@ -7,7 +7,8 @@ the CPU.
 
 Sizes are written as ``Count(num, den)``: ceil(num / den) elements, where ``num`` and ``den``
 name quantities of the call that each op defines (the element count ``n``, the number of
-scale blocks, a constant such as 2 nibbles a byte). Importable without PyTorch.
+scale blocks, the output features ``N``, a constant such as 2 nibbles a byte). Importable without
+PyTorch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from harness.errors import InputError
 DEVICE_TYPE = "cuda"
 
 BYTES = "bytes"  # any dtype, counted in bytes: packed data in whatever quant_storage holds it
-OUT = "out"  # the call's output dtype
+OUT = "out"  # the call's output dtype (bitsandbytes' message for ``out``)
+LIKE_A = "like A"  # the call's output dtype, which is A's (an operand F.linear adds to the result)
+ANY = "any"  # any dtype, not counted: an output filled by a copy where the kernel cannot write it
 
 
 @dataclass(frozen=True)
@@ -35,20 +38,31 @@ class Count:
     num: str
     den: str = "one"
     at_least: bool = False
+    or_one: bool = False  # or a single element (broadcast)
 
     def required(self, quantities: Mapping[str, int]) -> int:
         return -(-quantities[self.num] // quantities[self.den])
 
+    def met(self, have: int, need: int) -> bool:
+        return have >= need if self.at_least else have == need or (self.or_one and have == 1)
+
 
 @dataclass(frozen=True)
 class Operand:
-    """One tensor of a call: dense, on the call's device, of one dtype, of a size the call fixes."""
+    """One tensor of a call: dense, on the call's device, of one dtype, of a size the call fixes
+    (each but the size may be waived where the op's fallback takes any)."""
 
     label: str  # how messages name it
     arg: str  # the call's argument that holds it
-    dtype: str  # a torch dtype's name ("uint8"), BYTES or OUT
+    dtype: str  # a torch dtype's name ("uint8"), BYTES, OUT, LIKE_A or ANY
     count: Count | None  # None: its shape is the call's shape (an output)
     min_dims: int = 0
+    dense: bool = True  # must be contiguous
+    same_device: bool = True  # must be on the call's device
+    # What the count is, in its message ("{need}" stands for the number); such an operand's
+    # shape is checked with its count, before its dtype, at most ``max_dims`` dimensions.
+    holds: str = ""
+    max_dims: int | None = None
 
 
 def _fail(message: str):
@@ -84,27 +98,35 @@ def check(
     """Raise InputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
     ``torch.device``; ``dtype`` and ``shape`` are the call's output dtype and shape."""
     torch = _torch or _bind_torch()
-    label = operand.label
+    label, count = operand.label, operand.count
     if not isinstance(t, torch.Tensor):
         _fail(f"{label} must be a torch.Tensor, got {type(t).__name__}")
-    if operand.count is None and t.shape != shape:  # bitsandbytes' own messages for ``out``
+    if count is None and t.shape != shape:  # bitsandbytes' own messages for ``out``
         _fail(f"Expected {label}.shape == {tuple(shape)}, got {t.shape}")
+    if operand.holds and (  # a count with its own words: the shape's rule and the size's in one
+        not count.met(t.numel(), count.required(quantities))
+        or (operand.max_dims is not None and t.dim() > operand.max_dims)
+    ):
+        _fail(f"{label} must hold {operand.holds.format(need=count.required(quantities))}, got shape {tuple(t.shape)}")
     if operand.dtype == OUT:
         if t.dtype != dtype:
             _fail(f"Expected {label}.dtype == {dtype}, got {t.dtype}")
-    elif operand.dtype != BYTES and t.dtype != torch_dtype(operand.dtype):
+    elif operand.dtype == LIKE_A:
+        if t.dtype != dtype:
+            _fail(f"{label} must be {dtype} like A, got {t.dtype}")
+    elif operand.dtype not in (BYTES, ANY) and t.dtype != torch_dtype(operand.dtype):
         _fail(f"{label} must be torch.{operand.dtype}, got {t.dtype}")
-    if t.device != device:
+    if operand.same_device and t.device != device:
         _fail(f"{label} is on {t.device}, but A is on {device}; all tensors must be on the same device")
     if t.dim() < operand.min_dims:
         _fail(f"{label} must have at least {operand.min_dims} dimension")
-    if not t.is_contiguous():
+    if operand.dense and not t.is_contiguous():
         _fail(f"{label} must be contiguous")
-    if operand.count is not None:
-        need = operand.count.required(quantities)
+    if count is not None and not operand.holds:
+        need = count.required(quantities)
         if operand.dtype == BYTES:
             have = t.numel() * t.element_size()
-            if have < need if operand.count.at_least else have != need:
+            if not count.met(have, need):
                 _fail(f"{label} holds {have} bytes but shape {tuple(shape)} needs {need}")
-        elif t.numel() < need if operand.count.at_least else t.numel() != need:
+        elif not count.met(t.numel(), need):
             _fail(f"{label} must hold {need} elements for this shape and block size, got {t.numel()}")
