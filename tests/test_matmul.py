@@ -352,6 +352,10 @@ def test_a_bad_out_or_bias_is_an_input_error_before_anything_runs(monkeypatch, c
         harness.matmul_4bit(A, B.t(), _host_state(device=device), out=out, bias=bias)
 
 
+def test_the_out_and_bias_rules_are_read_in_the_order_the_check_hands_them_over():
+    assert [operand.arg for operand in matmul_kernel.OPERANDS] == ["out", "bias"]
+
+
 def test_a_bias_of_one_value_and_an_out_of_another_dtype_are_still_taken():
     """What bitsandbytes takes stays taken: a bias of one value (F.linear broadcasts it), and an
     out the result is copied into."""

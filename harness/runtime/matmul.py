@@ -46,10 +46,13 @@ def _fail(message: str):
 def check_out_and_bias(A: torch.Tensor, N: int, out: torch.Tensor | None, bias: torch.Tensor | None) -> None:
     """The rules of ``out`` and ``bias`` (``matmul_kernel.OPERANDS``), checked before anything is
     launched (else the fallback fails in F.linear or the copy into ``out``, after its kernels ran)."""
-    given, quantities = {"out": out, "bias": bias}, {"N": N, "one": 1}
-    for operand in matmul_kernel.OPERANDS:
-        if (t := given[operand.arg]) is not None:
-            operands.check(operand, t, A.device, quantities, A.dtype, (*A.shape[:-1], N))
+    if out is None and bias is None:  # most calls: nothing to check on the per-call path
+        return
+    out_rule, bias_rule = matmul_kernel.OPERANDS
+    if out is not None:
+        operands.check(out_rule, out, A.device, {}, A.dtype, (*tuple(A.shape)[:-1], N))
+    if bias is not None:
+        operands.check(bias_rule, bias, A.device, {"N": N, "one": 1}, A.dtype)
 
 
 def result_features(A: torch.Tensor, shape) -> tuple[int, bool]:

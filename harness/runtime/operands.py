@@ -98,33 +98,35 @@ def check(
     """Raise InputError if ``t`` breaks ``operand``'s rule. ``device`` is the call's
     ``torch.device``; ``dtype`` and ``shape`` are the call's output dtype and shape."""
     torch = _torch or _bind_torch()
-    label, count = operand.label, operand.count
+    label, count, kind = operand.label, operand.count, operand.dtype
     if not isinstance(t, torch.Tensor):
         _fail(f"{label} must be a torch.Tensor, got {type(t).__name__}")
-    if count is None and t.shape != shape:  # bitsandbytes' own messages for ``out``
-        _fail(f"Expected {label}.shape == {tuple(shape)}, got {t.shape}")
-    if operand.holds and (  # a count with its own words: the shape's rule and the size's in one
-        not count.met(t.numel(), count.required(quantities))
-        or (operand.max_dims is not None and t.dim() > operand.max_dims)
-    ):
-        _fail(f"{label} must hold {operand.holds.format(need=count.required(quantities))}, got shape {tuple(t.shape)}")
-    if operand.dtype == OUT:
+    if count is None:
+        if t.shape != shape:  # bitsandbytes' own messages for ``out``
+            _fail(f"Expected {label}.shape == {tuple(shape)}, got {t.shape}")
+    else:
+        need = count.required(quantities)
+        if operand.holds and (  # a count in its own words: the shape's rule and the size's in one
+            not count.met(t.numel(), need) or (operand.max_dims is not None and t.dim() > operand.max_dims)
+        ):
+            _fail(f"{label} must hold {operand.holds.format(need=need)}, got shape {tuple(t.shape)}")
+    if kind == OUT or kind == LIKE_A:
         if t.dtype != dtype:
-            _fail(f"Expected {label}.dtype == {dtype}, got {t.dtype}")
-    elif operand.dtype == LIKE_A:
-        if t.dtype != dtype:
-            _fail(f"{label} must be {dtype} like A, got {t.dtype}")
-    elif operand.dtype not in (BYTES, ANY) and t.dtype != torch_dtype(operand.dtype):
-        _fail(f"{label} must be torch.{operand.dtype}, got {t.dtype}")
+            _fail(
+                f"Expected {label}.dtype == {dtype}, got {t.dtype}"
+                if kind == OUT
+                else f"{label} must be {dtype} like A, got {t.dtype}"
+            )
+    elif kind != BYTES and kind != ANY and t.dtype != torch_dtype(kind):
+        _fail(f"{label} must be torch.{kind}, got {t.dtype}")
     if operand.same_device and t.device != device:
         _fail(f"{label} is on {t.device}, but A is on {device}; all tensors must be on the same device")
-    if t.dim() < operand.min_dims:
+    if operand.min_dims and t.dim() < operand.min_dims:
         _fail(f"{label} must have at least {operand.min_dims} dimension")
     if operand.dense and not t.is_contiguous():
         _fail(f"{label} must be contiguous")
     if count is not None and not operand.holds:
-        need = count.required(quantities)
-        if operand.dtype == BYTES:
+        if kind == BYTES:
             have = t.numel() * t.element_size()
             if not count.met(have, need):
                 _fail(f"{label} holds {have} bytes but shape {tuple(shape)} needs {need}")
