@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -676,6 +677,26 @@ def test_it_traces_in_one_graph_to_the_ops_checks():
     ) as info:
         torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs), backend="eager", fullgraph=True)(A)
     assert not isinstance(info.value, torch._dynamo.exc.Unsupported)
+
+
+@pytest.mark.parametrize("case", ["out-list", "out-shape", "bias-fp32", "bias-short"])
+def test_a_traced_call_meets_the_same_out_and_bias_rules(case):
+    """Under torch.compile(fullgraph=True) the drop-in checks out and bias while tracing, with the
+    same operand table and messages as eager mode (OUT_AND_BIAS), before any op is reached.
+    TorchDynamo reports an exception raised in the code it traces as its own error, naming it:
+    the InputError and its message are in that error's cause."""
+    what, message = OUT_AND_BIAS[case]
+    A, B = torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(48 * 96 // 2, 1, dtype=torch.uint8)
+    out = what.get("out")
+    out = [[0.0] * 48] * 3 if out == "list" else torch.empty(out, dtype=A.dtype) if out else None
+    bias = torch.zeros(what["bias"], dtype=what.get("bias_dtype", A.dtype)) if "bias" in what else None
+    qs = _host_state()
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda a: harness.matmul_4bit(a, B.t(), qs, out=out, bias=bias), backend="eager", fullgraph=True)(
+            A
+        )
+    assert re.search(r"InputError\(.*" + message, str(info.value.__cause__)), str(info.value.__cause__)
 
 
 @pytest.mark.gpu

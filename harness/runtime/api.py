@@ -88,8 +88,6 @@ def matmul_4bit(
         _fail("quant_state is required")
     if not isinstance(A, torch.Tensor):
         _fail(f"A must be a torch.Tensor, got {type(A).__name__}")
-    if out is not None and not isinstance(out, torch.Tensor):
-        _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
     if _is_compiling():
         matmul.check_out_and_bias(A, matmul.result_features(A, quant_state.shape)[0], out, bias)
         return matmul.into(out, matmul.traced_call(A, B, quant_state, bias))
