@@ -36,6 +36,17 @@ RANGES = re.compile(r"^case (?P<label>[^:]+): (?P<ranges>.*)$", re.M)
 RANGE = re.compile(r"(\w+) 0x([0-9a-f]+)\+(\d+)")
 
 
+def weights(inputs: str, shape, quant: str, dtype, nested: bool, device):
+    """(packed weights, quant state) of blocks of 64: ``raw`` random bytes and scales, or ``bnb``
+    random weights quantized by bitsandbytes."""
+    from harness.correctness import cases
+
+    if inputs == "raw":
+        case = cases.raw_case(shape, quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
+        return case.A, case.quant_state()
+    return cases.quantize_weights(shape, quant, 64, nested, dtype, seed=0, device=device)
+
+
 def dequantize_cases(inputs: str, device) -> int:
     """Every dequantization variant (nf4/fp4 x fp16/bf16/fp32 x plain/nested), launched by the
     compiled host path and by the Python path at both tilings (the large one forced onto small
@@ -44,7 +55,6 @@ def dequantize_cases(inputs: str, device) -> int:
     import bitsandbytes.functional as F
     import torch
 
-    from harness.correctness import cases
     from harness.correctness.bitcompare import poison_
     from harness.runtime import api, dequantize_kernel, host_path
 
@@ -56,11 +66,7 @@ def dequantize_cases(inputs: str, device) -> int:
         for tiling in dequantize_kernel.TILINGS
     ]
     for quant, dtype, nested, shape in itertools.product(("nf4", "fp4"), dtypes, (False, True), SHAPES):
-        if inputs == "raw":
-            case = cases.raw_case(shape, quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
-            A, qs = case.A, case.quant_state()
-        else:
-            A, qs = cases.quantize_weights(shape, quant, 64, nested, dtype, seed=0, device=device)
+        A, qs = weights(inputs, shape, quant, dtype, nested, device)
         print_ranges(f"{quant} {dtype} nested={nested} {shape}", A, qs)
         expected = F.dequantize_4bit(A, qs)
         for path, misaligned in itertools.product(host_paths, (False, True)):
@@ -87,11 +93,7 @@ def matmul_cases(inputs: str, device) -> int:
     wrong = 0
     shapes = itertools.product(("nf4", "fp4"), (torch.float16, torch.bfloat16), (False, True), MATMUL_SHAPES)
     for quant, dtype, nested, (M, N, K) in shapes:
-        if inputs == "raw":
-            case = cases.raw_case((N, K), quant, 64, dtype, nested, seed=0, device=device, special_scales=False)
-            B, qs = case.A, case.quant_state()
-        else:
-            B, qs = cases.quantize_weights((N, K), quant, 64, nested, dtype, seed=0, device=device)
+        B, qs = weights(inputs, (N, K), quant, dtype, nested, device)
         print_ranges(f"matmul {quant} {dtype} nested={nested} {M}x{N}x{K}", B, qs)
         g = cases.seeded_generator(M, device)
         A = torch.randn(M, K, generator=g, device=device).to(dtype)

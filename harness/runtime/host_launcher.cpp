@@ -564,10 +564,11 @@ PyObject* describe(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
   HANDLE_TH_ERRORS
   Config* config = entry_config(args, nargs, "describe");
   if (config == nullptr) return nullptr;
+  ++args;  // past the entry: the call's own arguments
+  --nargs;
   const at::Tensor* tensors[kMaxArgs];
-  const std::shared_ptr<const Recipe> recipe = recipe_for(config, args + 1, nargs - 1, tensors);
+  const std::shared_ptr<const Recipe> recipe = recipe_for(config, args, nargs, tensors);
   if (!recipe) Py_RETURN_NONE;
-  ++args;
   Filled f;
   if (!fill(config, *recipe, args, tensors, &f)) Py_RETURN_NONE;
   PyObject* launches = PyTuple_New(static_cast<Py_ssize_t>(recipe->launches.size()));
