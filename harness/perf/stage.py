@@ -3,7 +3,7 @@
 The judge's process builds the case (bitsandbytes quantizes seeded random weights; a matmul case
 adds seeded activations) and the output buffer, and lends them to each side's process over CUDA
 IPC: both sides read the same input buffers, write the same output buffer and flush the L2 by
-writing the same buffer, so what differs between them is their code. (Measured on an H100: sides
+reading the same buffer, so what differs between them is their code. (Measured on an H100: sides
 that built their own inputs, each in its own process, were up to 4% apart on identical code, on
 small nested-scale weights whose tensors each process placed differently.)
 

@@ -5,7 +5,7 @@ offset, located"). This separates where: two timers in one process (two flush bu
 pairs and groups of processes started one after another and fed the same inputs over CUDA IPC,
 taking turns as the judge's sides do (ABBA). Each times a near-empty launch (a one-element
 ``add_``), a 1024x8192 dequantization and a one-row fused matmul on that weight (nf4 nested
-bf16), with the judge's timer, its L2 flushed by writing (as the timer does) and by reading.
+bf16), with the judge's timer, its L2 flushed by reading (as the timer does) and by writing.
 
     python -m tests.perf.process_offset [--pairs 4] [--groups 4] [--rounds 16] [--samples 50]
 
@@ -26,25 +26,15 @@ CALLS = ("tiny", "deq", "mm")
 SHAPE = (1024, 8192)
 
 
-class ReadFlushTimer(gpu_timer.ColdL2Timer):
-    """The judge's timer with the L2 flushed by reading its buffer: clean lines, no write-backs."""
+class WriteFlushTimer(gpu_timer.ColdL2Timer):
+    """The judge's timer with the L2 flushed as it was before it read its buffer: by writing it
+    (dirty lines, written back during the timed call)."""
 
-    def __init__(self, device: torch.device):
-        super().__init__(device)
-        self.words = self.flush_buffer.view(torch.float32)
-        self.sink = torch.empty((), device=device)
-        self._read()
-        torch.cuda.synchronize(device)
-
-    def _read(self):
-        torch.sum(self.words, 0, out=self.sink)
-
-    def _steps(self, stream, fn, hooks):
-        flush = gpu_timer.State.FLUSH_L2
-        return tuple((s, self._read if s is flush else a) for s, a in super()._steps(stream, fn, hooks))
+    def flush_l2(self):
+        self.flush_buffer.fill_(1)
 
 
-TIMERS = {"write": gpu_timer.ColdL2Timer, "read": ReadFlushTimer}
+TIMERS = {"write": WriteFlushTimer, "read": gpu_timer.ColdL2Timer}
 
 
 def make_inputs():
