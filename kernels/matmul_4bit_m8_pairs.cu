@@ -21,7 +21,8 @@
 // table's base rides in the load's uniform register). 32 copies of each entry, one per bank, so a
 // warp's 32 random bytes never conflict: entry e's copy for lane l is word 64 * (e & 127) + 32 *
 // (e >> 7) + l, 32 KB. The register tables cost 2 prmt and 0.6 other instructions per weight plus a
-// table per scale block; this costs 1.25 per weight (2.71 a weight in all, 4.58 before: NOTES).
+// table per scale block; this costs 1.25 per weight (2.71 a weight in all with 8-byte weight
+// loads, 3.10 with 16-byte ones, 4.58 with the register tables: NOTES).
 //
 // Layout: mma.sync.m16n8k16, weights as operand A (16 features x 16 k), activations as operand B
 // (16 k x 8 tokens; at 16 tokens each decoded fragment feeds the mmas of both token tiles). One
@@ -29,7 +30,8 @@
 // k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the chunk's k t * CHUNK_K / 4 ..
 // + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and mma j takes its codes 4j ..
 // 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j are k 4j + {0, 1} and
-// 4j + {2, 3} of lane t's run, identically for both operands.
+// 4j + {2, 3} of lane t's run, identically for both operands. Where K % 128 == 0 the weights come
+// in 16-byte loads and lane t's run is at position wide_pos(t) instead (trade_halves).
 #define STEP_K 256  // k one warp covers per step
 #include "matmul_4bit_common.cuh"
 
@@ -116,7 +118,7 @@ struct Lane {
     const unsigned char* w_lo;
     i64 e_lo;
     int to_hi;  // elements from the first feature's row to the second's (8 rows, fewer when clamped)
-    int t;
+    int t;  // the lane's run position in a chunk: lane % 4, or wide_pos of it with 16-byte loads
     // The token row whose activations the lane reads in the first token tile (in the second, 8 on).
     // One tile: g clamped to the tile's last row, so at fewer than 8 rows lanes past M (never
     // stored) read a real row; held instead of g, which the step forms again from the thread's
@@ -132,6 +134,14 @@ struct Shape {
     static constexpr int words = kChunk / 32;       // 32-bit words of packed codes in a run
     static constexpr int scales = chunks / 4;       // chunks whose scales a lane loads (c % 4 == t)
 };
+
+// Weights in 16-byte loads (K % 128 == 0, chunks of 64; kWide): a quad reads 64 bytes of a row at
+// once, two chunks, with half the load instructions and tag lookups of 8-byte loads (the L1 unit
+// bounds this kernel: NOTES). Lane t's 16 bytes (32 k) lie in chunk t / 2, but every mma sums 16 k
+// of one chunk (one scale): lanes t and t ^ 2 trade halves (a shuffle a word), after which lane t
+// holds 16 k of each chunk at run position wide_pos(t); its activation pieces and the scales it
+// loads for the quad follow that position.
+__device__ __forceinline__ constexpr int wide_pos(int t) { return ((t & 1) << 1) | (t >> 1); }
 
 // One step's weights of a lane (each chunk's runs of its two features) and the scale parts of the
 // chunks c with c % 4 == t, which lanes share by shuffles (the 4 lanes of a feature pair need the
@@ -155,6 +165,30 @@ __device__ __forceinline__ void load_chunk(StepWeights<kChunk>& w, int c, int st
     w.hi[c] = load_run<S::words>(lo + (ln.to_hi >> 1));
 }
 
+// Chunks c and c + 1 (c even) of step `step`, 16 bytes of each feature (kWide); as load_chunk past K.
+template <int kChunk, bool kInside>
+__device__ __forceinline__ void load_pair(StepWeights<kChunk>& w, int c, int step, const Lane& ln, int K) {
+    const int k0 = step * STEP_K;
+    const int at = kInside ? c * kChunk / 2 : (min(k0 + c * kChunk, K - 2 * kChunk) - k0) >> 1;
+    const unsigned char* lo = ln.w_lo + (static_cast<u32>(k0) >> 1) + at;
+    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(lo));
+    const uint4 b = __ldcs(reinterpret_cast<const uint4*>(lo + (ln.to_hi >> 1)));
+    w.lo[c].w[0] = a.x, w.lo[c].w[1] = a.y, w.lo[c + 1].w[0] = a.z, w.lo[c + 1].w[1] = a.w;
+    w.hi[c].w[0] = b.x, w.hi[c].w[1] = b.y, w.hi[c + 1].w[0] = b.z, w.hi[c + 1].w[1] = b.w;
+}
+
+// A pair of chunks as loaded (lanes t < 2, `low`: both runs in `first`'s chunk; the others: in
+// `second`'s) made into 16 k of each: a low lane keeps its first run and sends its second to lane
+// t ^ 2, which keeps its second and sends its first.
+__device__ __forceinline__ void trade_halves(Run<2>& first, Run<2>& second, bool low) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 got = __shfl_xor_sync(0xffffffffu, low ? second.w[i] : first.w[i], 2);
+        first.w[i] = low ? first.w[i] : got;
+        second.w[i] = low ? got : second.w[i];
+    }
+}
+
 // The scale parts of step `step` a lane loads; zeros past K.
 template <int kChunk, bool kInside>
 __device__ __forceinline__ void load_scales(StepWeights<kChunk>& w, int step, const Lane& ln, int K,
@@ -169,16 +203,24 @@ __device__ __forceinline__ void load_scales(StepWeights<kChunk>& w, int step, co
 }
 
 // The whole of step `step` (a split's first).
-template <int kChunk>
+template <int kChunk, bool kWide>
 __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, const Lane& ln, int K, const void* absmax,
                                           const float* absmax2, int bs_log2, int bs2_log2) {
     if ((step + 1) * STEP_K <= K) {
 #pragma unroll
-        for (int c = 0; c < Shape<kChunk>::chunks; ++c) load_chunk<kChunk, true>(w, c, step, ln, K);
+        for (int c = 0; c < Shape<kChunk>::chunks; c += kWide ? 2 : 1)
+            if constexpr (kWide)
+                load_pair<kChunk, true>(w, c, step, ln, K);
+            else
+                load_chunk<kChunk, true>(w, c, step, ln, K);
         load_scales<kChunk, true>(w, step, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     } else {
 #pragma unroll
-        for (int c = 0; c < Shape<kChunk>::chunks; ++c) load_chunk<kChunk, false>(w, c, step, ln, K);
+        for (int c = 0; c < Shape<kChunk>::chunks; c += kWide ? 2 : 1)
+            if constexpr (kWide)
+                load_pair<kChunk, false>(w, c, step, ln, K);
+            else
+                load_chunk<kChunk, false>(w, c, step, ln, K);
         load_scales<kChunk, false>(w, step, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     }
 }
@@ -237,7 +279,7 @@ __device__ __forceinline__ void mma_zero(float c[4], const u32 a[4], u32 b0, u32
 // once the scales are formed, so every load has a step of decoding to arrive in, with one step's
 // registers. kTail: the step reaches past K, whose chunks it skips (and the split ends with it);
 // kNextInside: the next step lies inside K. `tile` holds the step's activations (stage_activations).
-template <int kChunk, bool kTail, bool kNextInside>
+template <int kChunk, bool kWide, bool kTail, bool kNextInside>
 __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<kChunk>& w, bool more,
                                              const uint4* tile, const u32* table, int step, const Lane& ln, int K,
                                              u32 lane_bytes, const float* s_code2, float offset, const void* absmax,
@@ -254,9 +296,17 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
 #pragma unroll
     for (int c = 0; c < S::chunks; ++c) {
         if (kTail && step * STEP_K + c * kChunk >= K) break;
+        if constexpr (kWide) {
+            if (c % 2 == 0) {
+                const bool low = (ln.t & 1) == 0;  // lane t < 2: run position 0 or 2
+                trade_halves(w.lo[c], w.lo[c + 1], low);
+                trade_halves(w.hi[c], w.hi[c + 1], low);
+            }
+        }
         // The chunk's scales, from the lane of this feature pair that loaded them.
-        const float sc_lo = __shfl_sync(0xffffffffu, s_lo[c / 4], quad | (c % 4));
-        const float sc_hi = __shfl_sync(0xffffffffu, s_hi[c / 4], quad | (c % 4));
+        const int owner = kWide ? wide_pos(c % 4) : c % 4;  // c is unrolled: a constant
+        const float sc_lo = __shfl_sync(0xffffffffu, s_lo[c / 4], quad | owner);
+        const float sc_hi = __shfl_sync(0xffffffffu, s_hi[c / 4], quad | owner);
         float part[NT8][4];
 #pragma unroll
         for (int v = 0; v < S::words; ++v) {  // word v of the run: mmas 2v and 2v + 1 of each token tile
@@ -277,7 +327,11 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
                 mma(part[i], a1, act[i].z, act[i].w);
             }
         }
-        if (!kTail && more) load_chunk<kChunk, kNextInside>(w, c, step + 1, ln, K);
+        if constexpr (kWide) {
+            if (!kTail && more && c % 2 == 1) load_pair<kChunk, kNextInside>(w, c - 1, step + 1, ln, K);
+        } else {
+            if (!kTail && more) load_chunk<kChunk, kNextInside>(w, c, step + 1, ln, K);
+        }
 #pragma unroll
         for (int i = 0; i < NT8; ++i) {
             acc[i][0] = __fmaf_rn(sc_lo, part[i][0], acc[i][0]);
@@ -297,12 +351,12 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
 
 // Steps first .. last - 1: each step's activations (one stage of the shared tile) and weights
 // (registers, refilled as they are used) load while the step before decodes. `table` is staged here.
-template <int kChunk>
+template <int kChunk, bool kWide>
 __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT_ARGS) {
     if (first >= last) return;
     stage_activations<kChunk>(s_act[0], src, A, first * STEP_K, K);
     StepWeights<kChunk> w;
-    load_step(w, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
+    load_step<kChunk, kWide>(w, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     // The table after the first loads are issued: staging it overlaps their trip to memory.
     stage_pair_table(table);
     for (int step = first; step < last; ++step) {
@@ -315,32 +369,34 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT
         if (more) stage_activations<kChunk>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K);
         const uint4* tile = s_act[stage];
         if ((step + 2) * STEP_K <= K)
-            compute_step<kChunk, false, true>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+            compute_step<kChunk, kWide, false, true>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
                                               absmax, absmax2, bs_log2, bs2_log2);
         else if ((step + 1) * STEP_K <= K)
-            compute_step<kChunk, false, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+            compute_step<kChunk, kWide, false, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
                                                absmax, absmax2, bs_log2, bs2_log2);
         else
-            compute_step<kChunk, true, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
+            compute_step<kChunk, kWide, true, false>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
                                               absmax, absmax2, bs_log2, bs2_log2);
     }
 }
 
-template <int kChunk>
+template <int kChunk, bool kWide>
 __device__ __forceinline__ void run(float (&acc)[NT8][4], uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS], u32* table, int first, int last, const Lane& ln,
                                     const elem_t* __restrict__ A, i64 m0, int rows, int K, const void* absmax,
                                     const float* absmax2, const float* s_code2, float offset, int bs_log2,
                                     int bs2_log2) {
     const ActSource src = act_source<kChunk>(m0, rows, K);
     const u32 lane_bytes = (threadIdx.x & 31) * 4 * 0x01010101u;
-    run_split<kChunk>(acc, first, SPLIT_PASS);
+    run_split<kChunk, kWide>(acc, first, SPLIT_PASS);
 }
 
-// The lane's weight pointers at its run of the first chunk; its scale elements at its chunk (t).
-template <int kChunk>
+// The lane's weight pointers at its run of the first chunk (kWide: of the first pair of chunks);
+// its scale elements at its chunk (t; kWide: its run position), which ln.t becomes.
+template <int kChunk, bool kWide>
 __device__ __forceinline__ void with_chunk(Lane& ln, const unsigned char* __restrict__ W, int t) {
-    ln.w_lo = W + ln.e_lo / 2 + t * Shape<kChunk>::run / 2;
-    ln.e_lo += t * kChunk;
+    ln.w_lo = W + ln.e_lo / 2 + t * Shape<kChunk>::run / (kWide ? 1 : 2);
+    ln.t = kWide ? wide_pos(t) : t;
+    ln.e_lo += ln.t * kChunk;
 }
 
 // The first of a lane's two features (the second is 8 on).
@@ -383,13 +439,17 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
 
         // Chunks of 64 k lie inside one scale block when blocks hold 64 or more and every row starts
         // at a multiple of 64 of the flattened weight; chunks of 32 always do (K % 32 == 0, blocks >= 32).
-        if (K % 64 == 0 && bs_log2 >= 6) {
-            with_chunk<64>(ln, W, t);
-            run<64>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+        if (K % 128 == 0 && bs_log2 >= 6) {
+            with_chunk<64, true>(ln, W, t);
+            run<64, true>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset,
+                          bs_log2, bs2_log2);
+        } else if (K % 64 == 0 && bs_log2 >= 6) {
+            with_chunk<64, false>(ln, W, t);
+            run<64, false>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                     bs2_log2);
         } else {
-            with_chunk<32>(ln, W, t);
-            run<32>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+            with_chunk<32, false>(ln, W, t);
+            run<32, false>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                     bs2_log2);
         }
     }

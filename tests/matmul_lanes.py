@@ -299,6 +299,42 @@ def m8_pairs_layout(chunk_k: int) -> Layout:
 
 M8P_64, M8P_32 = m8_pairs_layout(64), m8_pairs_layout(32)
 
+# The 16-byte loads (K % 128 == 0): lane t's run position in both chunks of a pair once lanes t and
+# t ^ 2 traded halves, and which lanes keep their first run (trade_halves' `low`), from the source.
+WIDE_POS = _source_expression(_M8P, r"int wide_pos\(int t\) \{ return ([^;]+); \}", "t")
+_KEEPS_FIRST = _source_expression(_M8P, r"const bool low = ([^;]+);", "t")
+
+
+def wide_pairs_layout() -> Layout:
+    """kernels/matmul_4bit_m8_pairs.cu with 16-byte weight loads: chunks of 64 k, lane t's run of
+    16 k at run position WIDE_POS(t) of each chunk (where trade_halves left it: ``traded_runs``)."""
+    return Layout(
+        STEP_K_M8,
+        STEP_K_M8 // 16,
+        lambda step, j, t: step * STEP_K_M8 + (j // 4) * 64 + WIDE_POS(t) * 16,
+        lambda j: (j % 4) // 2,
+        decode_pairs,
+        lambda j, t: _M8P_PIECE(j // 4, 64, WIDE_POS(t), _Shape(64), (j % 4) // 2),
+        _m8p_act_slot(64),
+        _tile_slots(_M8P),
+    )
+
+
+M8P_W = wide_pairs_layout()
+
+
+def traded_runs(pair: bytes) -> list[tuple[bytes, bytes]]:
+    """What the quad's 4 lanes hold of one row's 64 bytes (two chunks of 64 k) after trade_halves:
+    lane t loaded bytes 16t .. 16t + 15 (its first run the low 8, its second the high 8); a lane
+    that keeps its first sends its second to lane t ^ 2, the others send their first and keep their
+    second. (first, second) per lane, in lane order."""
+    loaded = [(pair[16 * t : 16 * t + 8], pair[16 * t + 8 : 16 * t + 16]) for t in range(4)]
+    keeps_first = [_KEEPS_FIRST(WIDE_POS(t)) for t in range(4)]  # the kernel's ln.t is the position
+    sent = [second if keeps_first[t] else first for t, (first, second) in enumerate(loaded)]
+    return [
+        (first, sent[t ^ 2]) if keeps_first[t] else (sent[t ^ 2], second) for t, (first, second) in enumerate(loaded)
+    ]
+
 
 def a_operand(packed: bytes, scales, code, N: int, K: int, n0: int, step: int, j: int, layout: Layout) -> torch.Tensor:
     """Operand A (16 features x 16 k) of mma j of a step for the warp owning features n0 ..

@@ -417,8 +417,9 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "dtype", "blocksize", "nested"), FORMATS, ids=str)
 # K = 320: the 8-token kernel's partial last step with one table per 64 k (K % 64 == 0), and the
-# wide kernel's; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
-@pytest.mark.parametrize(("N", "K"), [(48, 320), (200, 4096 + 96)], ids=["48x320", "200x4192"])
+# wide kernel's; K = 384: the pair-table kernel's 16-byte weight loads (K % 128 == 0) ending in a
+# half step; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
+@pytest.mark.parametrize(("N", "K"), [(48, 320), (48, 384), (200, 4096 + 96)], ids=["48x320", "48x384", "200x4192"])
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
 def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
@@ -575,18 +576,15 @@ def _lane_case(seed: int, M: int, N: int, K: int):
     return torch.randn(M, K, generator=g, dtype=torch.float64), packed, scales, code, W
 
 
-# The nested 8-token kernel runs chunks of 64 k where K % 64 == 0 (and blocks of 64 or more), else of 32.
-_LANE_CASES = [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320)]
+# The nested 8-token kernel runs chunks of 64 k where K % 64 == 0 (and blocks of 64 or more), else of 32;
+# with 16-byte weight loads where K % 128 == 0.
+_LANE_CASES = [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320), (5, 24, 384)]
+_LANE_KERNELS = {"M8": 32, "M8P_64": 64, "M8P_32": 32, "M8P_W": 128, "WIDE": 32}  # kernel: K a multiple of
 
 
 @pytest.mark.parametrize(
     ("M", "N", "K", "kernel"),
-    [
-        (*case, kernel)
-        for case in _LANE_CASES
-        for kernel in ("M8", "M8P_64", "M8P_32", "WIDE")
-        if kernel != "M8P_64" or case[2] % 64 == 0
-    ],
+    [(*case, kernel) for case in _LANE_CASES for kernel, multiple in _LANE_KERNELS.items() if case[2] % multiple == 0],
 )
 def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, N, K, kernel):
     """tests/matmul_lanes.py transcribes each kernel's per-lane loads, nibble order, table
@@ -600,7 +598,7 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kernel", ["M8", "M8P_64", "M8P_32", "WIDE"])
+@pytest.mark.parametrize("kernel", list(_LANE_KERNELS))
 def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
     """Every quarter warp's 16-byte accesses to the staged activation tile hit 8 different bank
     groups: each mma's reads (every token tile of 64 rows) and stage_activations' writes of
@@ -616,6 +614,21 @@ def test_the_activation_tile_is_read_and_written_without_bank_conflicts(kernel):
     for first in range(0, 64 * row_chunks, 32):  # a warp's writes: chunks first .. first + 31 in row order
         slots = [layout.slot(e // row_chunks, e % row_chunks, row_chunks) for e in range(first, first + 32)]
         assert all(len(groups) == 8 for groups in matmul_lanes.bank_groups_of_quarter_warps(slots)), first
+
+
+def test_16_byte_loads_leave_each_lane_16_k_of_both_chunks_at_its_run_position(run_seed):
+    """kernels/matmul_4bit_m8_pairs.cu's trade_halves: after the quad's lanes load a row's 64 bytes
+    16 bytes each and trade halves, lane t holds the 8 bytes (16 k) of each chunk at run position
+    WIDE_POS(t), the positions cover each chunk once, and every mma's 16 k come from one chunk (one
+    scale block)."""
+    from tests import matmul_lanes as ml
+
+    pair = bytes(torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(run_seed)).tolist())
+    runs = ml.traded_runs(pair)
+    assert sorted(ml.WIDE_POS(t) for t in range(4)) == [0, 1, 2, 3]
+    for t, (first, second) in enumerate(runs):
+        at = 8 * ml.WIDE_POS(t)
+        assert (first, second) == (pair[at : at + 8], pair[32 + at : 32 + at + 8]), t
 
 
 def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_seed):
