@@ -307,7 +307,8 @@ def _stand_in_matmul_plan(max_clusters: tuple[int, ...]):
         shared = variant.dynamic_shared_bytes("sm_90")
         main = _stand_in_kernel(variant.name, matmul_kernel.MAIN_PARAMS, shared)
         finish = _stand_in_kernel(f"{variant.name}-finish", matmul_kernel.FINISH_PARAMS)
-        return matmul_kernel.Plan(main, finish, matmul_kernel.threads(variant.tokens), BLOCKS_PER_SM, SMS, clusters)
+        block, rule = matmul_kernel.threads(variant.tokens), variant.grid_rule("sm_90")
+        return matmul_kernel.Plan(main, finish, block, BLOCKS_PER_SM, SMS, clusters, rule)
 
     return plan_of
 

@@ -26,6 +26,10 @@ from harness.runtime import api, dequantize, dtypes, host_path, launcher, matmul
 from harness.runtime.matmul import CROSSOVER_M, DEFAULT_CROSSOVER_M, crossover_m
 from tests import hopper_plans as hopper
 
+# The grid rules by the kernel that follows them (matmul_kernel.GRID_RULES); the wide tiles ignore it.
+BUSIEST, WAVES = matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES
+WIDE = WAVES
+
 # Rows every GPU fuses, whatever the weight: the smallest entry of any crossover table.
 FUSED_EVERYWHERE = min(most for table in (*CROSSOVER_M.values(), DEFAULT_CROSSOVER_M) for _, most in table)
 
@@ -51,9 +55,10 @@ def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
     [(1, 28672, 8192), (16, 28672, 8192), (1, 8192, 8192), (1, 1024, 8192), (64, 8192, 8192), (8, 48, 96)],
 )
 @pytest.mark.parametrize(("per_sm", "sms"), [(8, 108), (4, 132), (3, 132)])
-def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, sms):
+@pytest.mark.parametrize("rule", [matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES])
+def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, sms, rule):
     tokens = matmul_kernel.token_tile(M)
-    g = matmul_kernel.grid_for(M, N, K, tokens, per_sm, sms)
+    g = matmul_kernel.grid_for(M, N, K, tokens, per_sm, sms, rule=rule)
     groups, splits, tiles = g.blocks
     steps = matmul_kernel.steps_of(K, tokens)
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
@@ -67,11 +72,15 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     if tokens not in matmul_kernel.DECODE_TILES:  # wide tiles: one wave, never a nearly empty second
         assert splits == 1 or blocks <= per_sm * sms
         return
-    if per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:  # the waves rule: no split count costs it less
-        costs = [matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, ())[0][0] for s in range(1, splits + 1)]
-        assert matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, ())[0][0] <= min(costs)
-        return
     busiest = matmul_kernel.busiest_sm_steps(blocks, g.steps_per_split, sms)
+    if rule == matmul_kernel.WAVES or per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:
+        # No fewer splits cost the waves rule less; or, at 4 or more blocks an SM, two splits replace
+        # the unsplit grid it picked, their busiest SM running no more steps.
+        costs = [matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, ())[0][0] for s in range(1, splits + 1)]
+        if matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, ())[0][0] > min(costs):
+            assert splits == 2 and per_sm >= matmul_kernel.BUSIEST_SM_BLOCKS, g
+            assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)
+        return
     assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)  # never worse than unsplit
     cap = min(steps // matmul_kernel.min_split_steps(tokens), matmul_kernel.MAX_SPLITS)
     if blocks >= sms and splits < -(-steps // -(-steps // cap)):  # fewer splits than the most the caps reach
@@ -118,12 +127,13 @@ def test_splits_run_as_clusters_only_where_they_measured_faster(units, splits, s
     ],
 )
 def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N, K, splits, clustered):
-    """At one and at 8 rows, on a Hopper GPU's clusters at once (measured on an H100, kernels/NOTES.md)."""
+    """The busiest-SM rule (the register-table kernel's) at one and at 8 rows, on a Hopper GPU's
+    clusters at once (measured on an H100 on the 8-token kernel of that day, kernels/NOTES.md)."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=BUSIEST)
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
-        assert not matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS).clustered
+        assert not matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, rule=BUSIEST).clustered
 
 
 @pytest.mark.parametrize(
@@ -144,9 +154,9 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
 def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, splits, clustered):
     """At 64 tokens a tile on Hopper (measured on an H100, kernels/NOTES.md); the 16- and 32-token
     kernels have no cluster epilogue, and without clusters the grid is the one before."""
-    g = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS)
+    g = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, rule=WIDE)
     assert (g.splits, g.clustered) == (splits, clustered)
-    unclustered = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS)
+    unclustered = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, rule=WIDE)
     assert not unclustered.clustered and (unclustered.splits == splits or clustered)
 
 
@@ -164,17 +174,18 @@ def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, sp
 def test_more_splits_run_as_a_cluster_where_the_grid_holds_at_most_6_blocks_an_sm(N, K, splits, steps):
     """Finished grids of 3-16 splits of 3-5 steps at up to 6 blocks an SM measured faster as
     clusters on an H100 (kernels/NOTES.md, and the grid sweep of the shapes catalog); with more
-    blocks or longer splits, and where a pair pays, they do not become clusters."""
+    blocks or longer splits, and where a pair pays, they do not become clusters (the busiest-SM
+    rule's grids)."""
     for M in (1, 8):
-        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=BUSIEST)
         assert (g.splits, g.steps_per_split, g.clustered) == (splits, steps, True)
         assert g.blocks[0] * splits <= matmul_kernel.LARGE_CLUSTER_BLOCKS_PER_SM * hopper.SMS
         portable = hopper.M8_CLUSTERS[: matmul_kernel.PORTABLE_CLUSTER_BLOCKS + 1]  # without the driver's leave
-        g8 = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, portable)
+        g8 = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, portable, rule=BUSIEST)
         assert g8.splits == splits and g8.clustered == (splits <= matmul_kernel.PORTABLE_CLUSTER_BLOCKS)
     # 256 blocks with splits of 7 steps; 1600 blocks (12 an SM) of 5 steps.
     for N, K, splits in ((1024, 28672, 16), (25600, 5120, 4)):
-        g = matmul_kernel.grid_for(1, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+        g = matmul_kernel.grid_for(1, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=BUSIEST)
         assert (g.splits, g.clustered) == (splits, False), (N, K)
 
 
@@ -190,10 +201,37 @@ def test_more_splits_run_as_a_cluster_where_the_grid_holds_at_most_6_blocks_an_s
 def test_at_16_rows_the_grid_follows_the_waves_with_3_blocks_an_sm_and_the_busiest_sm_with_4(N, K, pairs, plain):
     """The 16-token pair-table kernel (3 blocks an SM) against the register-table one (4), on their
     Hopper plans (measured on an H100, kernels/NOTES.md)."""
-    g = matmul_kernel.grid_for(16, N, K, 16, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS)
+    g = matmul_kernel.grid_for(16, N, K, 16, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, rule=WAVES)
     assert (g.splits, g.steps_per_split, g.clustered) == pairs
-    g = matmul_kernel.grid_for(16, N, K, 16, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS)
+    g = matmul_kernel.grid_for(16, N, K, 16, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=BUSIEST)
     assert (g.splits, g.steps_per_split, g.clustered) == plain
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "grid", "busiest"),
+    [
+        # H100 grid sweep of the 16-byte-load kernel (µs at one row / 8 rows, the pick against the
+        # busiest-SM rule's): the waves rule alone would leave the gate weight unsplit (59.7 / 64.3
+        # µs); its clustered pair is the fastest grid (54.7 / 58.9), as on 8192x8192 (21.8 / 23.4).
+        (28672, 8192, (2, 16, True), (2, 16, True)),
+        (8192, 8192, (2, 16, True), (2, 16, True)),
+        (4096, 5376, (7, 3, True), (2, 11, True)),  # gemma-3-27b q_proj: 11.8 / 12.4 against 14.3 / 15.3
+        (9216, 3072, (3, 4, True), (4, 3, True)),  # phi-3-mini qkv_proj: 12.8 / 13.7 against 15.6 / 19.0
+        (14336, 4096, (2, 8, True), (4, 4, False)),  # llama-3.1-8b gate_proj: 19.6 / 20.9 against 21.3 / 25.8
+        (5120, 14336, (6, 10, False), (8, 7, False)),  # mistral-nemo down_proj: 26.7 / 27.3 against 27.0 / 31.5
+    ],
+)
+def test_the_pair_table_kernel_follows_its_waves_and_a_clustered_pair_where_that_runs_as_few_steps(N, K, grid, busiest):
+    """The 8-token pair-table kernel's rule (WAVES, 4 blocks an SM): the waves rule's grid, or two
+    splits in a cluster where that grid is not clustered and the pair's busiest SM runs no more
+    steps (the busiest-SM rule's own pair). On the recorded sweeps (tests/test_grid_sweep.py) the
+    busiest-SM rule picked 1.101x the fastest grid on the H100's sweep of this kernel and 1.067 /
+    1.077x on the H100's and H200's of the 8-byte-load one; this rule 1.045, 1.031 and 1.043x."""
+    for M in (1, 8):
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=WAVES)
+        assert (g.splits, g.steps_per_split, g.clustered) == grid, M
+        g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=BUSIEST)
+        assert (g.splits, g.steps_per_split, g.clustered) == busiest, M
 
 
 @pytest.mark.gpu
@@ -275,7 +313,7 @@ def test_a_kernel_asked_for_clusters_below_sm_90_does_not_compile():
 
 def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():
     """Unsplit, some SMs would run 4 blocks and others 3 (the measured case, kernels/NOTES.md)."""
-    assert matmul_kernel.grid_for(1, 28672, 8192, 8, 4, 132).splits == 2
+    assert all(matmul_kernel.grid_for(1, 28672, 8192, 8, 4, 132, rule=rule).splits == 2 for rule in (BUSIEST, WAVES))
 
 
 def test_the_grid_steps_k_as_each_kernel_source_does():

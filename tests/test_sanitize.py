@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from harness.correctness import sanitize, sanitize_cases
 from harness.runtime import matmul_kernel, ops
 from tests import hopper_plans as hopper
+
+RULES = (matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES)
 
 REPORT = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "not found" on CUDA API call to cuGetProcAddress.
@@ -94,9 +98,9 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
     and the finish kernel), and the 8-token kernel's last step past K (its zero tables), on any
     GPU that holds three blocks."""
     seen = set()
-    for M, N, K in sanitize_cases.MATMUL_SHAPES:
+    for (M, N, K), rule in itertools.product(sanitize_cases.MATMUL_SHAPES, RULES):
         tokens = matmul_kernel.token_tile(M)
-        grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms)
+        grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms, rule=rule)
         partial_step = K % matmul_kernel.step_k(tokens) != 0
         m8 = tokens in matmul_kernel.DECODE_TILES  # else a wide tile (matmul_4bit.cu, or matmul_4bit_sm90.cu on Hopper)
         seen.add(("m8" if m8 else "wide", grid.splits > 1, partial_step))
@@ -113,18 +117,19 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     sanitizer sees both ways of adding them (the clusters at once and blocks an SM an H100 and an
     H200 report)."""
     plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
-    ways = set()
-    for M, N, K in sanitize_cases.MATMUL_SHAPES:
-        tokens = matmul_kernel.token_tile(M)
-        per_sm, clusters = plans.get(tokens, (4, ()))
-        grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters)
-        ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
-        if grid.clustered and grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS:
-            ways.add((tokens, "cluster past the portable size"))
-        if grid.clustered and grid.splits % 2:
-            ways.add((tokens, "cluster of an odd size"))
-    assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways
-    assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways
+    for rule in RULES:  # the pair-table (nested) and register-table (plain) 8-token kernels' rules
+        ways = set()
+        for M, N, K in sanitize_cases.MATMUL_SHAPES:
+            tokens = matmul_kernel.token_tile(M)
+            per_sm, clusters = plans.get(tokens, (4, ()))
+            grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters, rule=rule)
+            ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
+            if grid.clustered and grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS:
+                ways.add((tokens, "cluster past the portable size"))
+            if grid.clustered and grid.splits % 2:
+                ways.add((tokens, "cluster of an odd size"))
+        assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways, rule
+        assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways, rule
 
 
 def test_the_sanitized_process_runs_every_ops_cases_and_fails_on_any_wrong_output(monkeypatch, capsys):

@@ -32,7 +32,7 @@ from tabulate import tabulate
 from harness.correctness import cases, shapes
 from harness.correctness import matmul_reference as mr
 from harness.perf import gpu_info, gpu_timer
-from harness.runtime import matmul, matmul_kernel
+from harness.runtime import launcher, matmul, matmul_kernel
 
 ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
 TOLERANCE = 0.05  # a case's row is ok where the rules' grid is at most this much slower than the fastest
@@ -76,11 +76,11 @@ def plan_inputs(plan: matmul_kernel.Plan) -> dict:
 
 
 def rules_grid(case: dict) -> matmul_kernel.Grid:
-    """The grid the rules of this checkout pick for a recorded case."""
+    """The grid the rules of this checkout pick for a recorded case (its kernel's rule too)."""
     p = case["plan"]
-    return matmul_kernel.grid_for(
-        case["M"], case["N"], case["K"], case["tokens"], p["blocks_per_sm"], p["sms"], tuple(p["max_clusters"])
-    )
+    rule = matmul_kernel.GRID_RULES.get(case["kernel"], matmul_kernel.WAVES)
+    M, N, K, tokens = case["M"], case["N"], case["K"], case["tokens"]
+    return matmul_kernel.grid_for(M, N, K, tokens, p["blocks_per_sm"], p["sms"], tuple(p["max_clusters"]), rule=rule)
 
 
 def case_row(case: dict, tolerance: float) -> dict:
@@ -142,7 +142,8 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
         plan = matmul_kernel.plan(variant, device.index)
         grids = candidate_grids(plan, M, N, K, variant.tokens)
         times, in_bound = time_grids(timer, x, B, qs, mr.fused_reference(x, B, qs, W, None, torch.bfloat16), grids)
-        case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens}
+        kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
+        case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens, "kernel": kernel}
         out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
         print(json.dumps(out[-1]), flush=True)
     return out

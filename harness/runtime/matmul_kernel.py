@@ -30,9 +30,11 @@ SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_p
 # pair-table kernel took the gate weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192
 # from 36 to 30 (H100; at 32 tokens it was slower than the wide kernel: kernels/NOTES.md).
 DECODE_TILES = (8, 16)
-# A decode kernel's grid follows its busiest SM (grid_for) where an SM holds at least this many of
-# its blocks (16 warps), which keep the SM's integer pipe busy; with fewer it follows its waves
-# (WAVE_STEPS). The pair-table kernel at 16 tokens holds 3: on a sweep of 30 weights at 16 rows
+# The register-table kernel's (SOURCE_M8: GRID_RULES) grid follows its busiest SM (grid_for) where
+# an SM holds at least this many of its blocks (16 warps), which keep the SM's integer pipe busy;
+# with fewer it follows its waves (WAVE_STEPS), as the pair-table kernel's always does (at this
+# many, with a pair of splits where that runs as few steps on the busiest SM: grid_for). The
+# pair-table kernel at 16 tokens holds 3: on a sweep of 30 weights at 16 rows
 # (H100) the busiest-SM rule picked grids 1.106x the fastest in geometric mean (worst 1.31), the wide
 # tiles' one-wave rule 1.039x but the gate weight 28672x8192 at 1.12x (one wave and an eighth: 104 µs
 # in a perf run against 82 as a cluster pair), the waves rule 1.031x. The register-table kernel at
@@ -43,6 +45,14 @@ BUSIEST_SM_BLOCKS = 4
 # split's steps plus WAVE_STEPS (a wave's ramp and first loads), plus FINISH_STEPS where the finish
 # kernel adds the splits; fit to that sweep (0, 1, 2 and 4 wave steps: 1.066, 1.051, 1.036, 1.031x).
 WAVE_STEPS, FINISH_STEPS = 4, 2
+# Which rule a decode kernel's grid follows, by source (every other source: WAVES; the wide tiles
+# have their own). The pair-table kernel with 16-byte weight loads is no longer bound by its integer
+# pipe: over 60 cases at 1 and 8 rows (30 weights, 5 models) of an H100 grid sweep the busiest-SM
+# rule picked grids 1.101x the fastest (geometric mean; worst 1.40), the waves rule with the pair
+# 1.045x (1.25); on the two earlier sweeps of that kernel with 8-byte loads, 1.067 -> 1.031 (H100)
+# and 1.077 -> 1.043 (H200) (kernels/NOTES.md, "The grid rules after the 16-byte loads").
+BUSIEST_SM, WAVES = "busiest-sm", "waves"
+GRID_RULES = {SOURCE_M8: BUSIEST_SM}
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
 # steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
@@ -109,6 +119,10 @@ class MatmulVariant:
         if arch in WGMMA_TARGETS:
             return SOURCE_SM90, WGMMA_TARGETS[arch]
         return SOURCE_WIDE, arch
+
+    def grid_rule(self, arch: str) -> str:
+        """The rule (``GRID_RULES``) this variant's grid follows on a GPU of ``arch``."""
+        return GRID_RULES.get(self.build(arch)[0], WAVES)
 
     def cluster_splits(self, arch: str) -> int:
         """The most splits of K one thread block cluster adds in this variant's kernel on a GPU of
@@ -273,25 +287,28 @@ def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
 # Every fused call asks for its grid: a pure function of a few ints, searched once per shape.
 @functools.lru_cache(maxsize=4096)
 def grid_for(
-    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...] = ()
+    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...] = (), *, rule: str
 ) -> Grid:
     """How K is split, as far as the partial sums stay within ``PARTIAL_SHARE`` of the weights'
     bytes, a split runs at least ``min_split_steps`` (the last may run fewer) and there are at
     most ``MAX_SPLITS``; and whether the splits run as clusters (``clusters_fit``, with
     ``max_clusters[s]`` clusters of s splits the GPU holds at once, empty where it has none).
 
-    The decode kernels (``DECODE_TILES``) at ``BUSIEST_SM_BLOCKS`` blocks an SM keep every SM's
-    integer pipe busy, so a launch lasts as long as its busiest SM: K is split from the fewest parts
-    that fill ``FILL`` of the blocks the GPU holds at once (``blocks_per_sm`` on each of ``sms`` SMs)
-    up to twice that, choosing the split whose busiest SM runs the fewest steps (the fewest splits
-    on a tie). 448 feature groups on 132 SMs,
-    unsplit, leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8. Where
-    that split has more than 2 parts, two splits added in a cluster take its place (before its own
-    cluster, where it would have one) if their busiest SM runs no more steps and a split at most
+    The decode kernels (``DECODE_TILES``) whose ``rule`` is ``BUSIEST_SM``, at ``BUSIEST_SM_BLOCKS``
+    blocks an SM, keep every SM's integer pipe busy, so a launch lasts as long as its busiest SM: K
+    is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds at once
+    (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose busiest SM
+    runs the fewest steps (the fewest splits on a tie). 448 feature groups on 132 SMs, unsplit,
+    leave some SMs 4 blocks and others 3; split in two, 7 half-blocks against 6.8. Where that split
+    has more than 2 parts, two splits added in a cluster take its place (before its own cluster,
+    where it would have one) if their busiest SM runs no more steps and a split at most
     ``CLUSTER_PAIR_STEPS``.
 
-    With fewer blocks an SM they take the split of the waves rule (``waves_grid``) with the fewest
-    waves times steps.
+    With fewer blocks an SM, or by their rule (``WAVES``), they take the split of the waves rule
+    (``waves_grid``) with the fewest waves times steps; at ``BUSIEST_SM_BLOCKS`` or more, where that
+    grid is not clustered, two splits (clustered where they fit) take its place if their busiest SM
+    runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
+    gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
     The wider tiles measured slower under the busiest-SM rule (M = 32 in the A/B gate,
     kernels/NOTES.md), and more splits cost them partial sums M times larger: they take as many
@@ -311,12 +328,21 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
-    if tokens in DECODE_TILES and blocks_per_sm < BUSIEST_SM_BLOCKS:
-        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
-        return min(options, key=lambda option: option[0])[1]
-    # Two splits added in a cluster: what each kernel's grid below may give way to.
+    # Two splits added in a cluster: what each rule's grid below may give way to.
     pair_n, pair_steps = shape(2)
     pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
+    if tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS):
+        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
+        grid = min(options, key=lambda option: option[0])[1]
+        n = grid.splits
+        pair_pays = (
+            pair_n == 2 != n
+            and blocks_per_sm >= BUSIEST_SM_BLOCKS
+            and not grid.clustered
+            and pair_steps <= CLUSTER_PAIR_STEPS
+            and cost(2)[0] <= cost(n)[0]
+        )
+        return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
         pair_pays = (
@@ -369,9 +395,10 @@ class Plan:
     blocks_per_sm: int  # main kernel blocks one SM holds at once
     sms: int
     max_clusters: tuple[int, ...]  # [s]: clusters of s splits the GPU holds at once (empty: no clusters)
+    rule: str  # the variant's grid rule (GRID_RULES)
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
-        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters)
+        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters, rule=self.rule)
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
         """Whether the main kernel computes a call on ``grid``, picked by the rules or not: a block
@@ -406,7 +433,9 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
             if sizes > PORTABLE_CLUSTER_BLOCKS:
                 launcher.allow_nonportable_clusters(main)
             clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
-        hit = _plans[key] = Plan(main, finish, block, max(1, per_sm), _sm_count(device_index), clusters)
+        hit = _plans[key] = Plan(
+            main, finish, block, max(1, per_sm), _sm_count(device_index), clusters, variant.grid_rule(arch)
+        )
     return hit
 
 
