@@ -25,8 +25,9 @@ kernel's weights in 16-byte loads"): 1024x8192 dequantization 11.9 µs after a w
 after a read one; the fused matmul on the 70B gate weight at one row 54.3 µs after a read flush,
 62.4 after a written one, where the kernel it replaced took 61.8 and 62.1: a written flush hid a
 12% gain of a kernel near the memory's pace.
-Whether to keep sampling is the ``StopRule``'s call; whether a sample
-counts is the ``ThrottleRule``'s. Both have their defaults written down below.
+
+Whether to keep sampling is the ``StopRule``'s call; whether a sample counts is the
+``ThrottleRule``'s. Both have their defaults written down below.
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
-    # Two splits added in a cluster: what each rule's grid below may give way to.
+    # Two splits (in a cluster where they fit): what each rule's grid below may give way to.
     pair_n, pair_steps = shape(2)
     pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
     if tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS):
