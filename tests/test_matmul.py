@@ -458,12 +458,12 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 # wide kernel's; K = 384: the pair-table kernel's 16-byte weight loads (K % 128 == 0) ending in a
 # half step; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
 @pytest.mark.parametrize(("N", "K"), [(48, 320), (48, 384), (200, 4096 + 96)], ids=["48x320", "48x384", "200x4192"])
-@pytest.mark.parametrize("M", [1, 5, 8, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
+@pytest.mark.parametrize("M", [1, 5, 8, 12, 16, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
 def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
     """A one-hot row gives each feature's weight as the kernel forms it: the dequantization
-    kernel's bits, or round(fp32(scale * round(code))) (the 8-token kernel of nested weights)."""
+    kernel's bits, or round(fp32(scale * round(code))) (the 8- and 16-token kernel of nested weights)."""
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
