@@ -53,6 +53,13 @@ WAVE_STEPS, FINISH_STEPS = 4, 2
 # and 1.077 -> 1.043 (H200) (kernels/NOTES.md, "The grid rules after the 16-byte loads").
 BUSIEST_SM, WAVES = "busiest-sm", "waves"
 GRID_RULES = {SOURCE_M8: BUSIEST_SM}
+
+
+def grid_rule_of(source: str) -> str:
+    """The rule a kernel source's grids follow (``GRID_RULES``)."""
+    return GRID_RULES.get(source, WAVES)
+
+
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
 # steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
@@ -122,7 +129,7 @@ class MatmulVariant:
 
     def grid_rule(self, arch: str) -> str:
         """The rule (``GRID_RULES``) this variant's grid follows on a GPU of ``arch``."""
-        return GRID_RULES.get(self.build(arch)[0], WAVES)
+        return grid_rule_of(self.build(arch)[0])
 
     def cluster_splits(self, arch: str) -> int:
         """The most splits of K one thread block cluster adds in this variant's kernel on a GPU of
