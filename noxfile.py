@@ -216,13 +216,33 @@ def correctness(session: nox.Session) -> None:
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
     workers = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
-    single = _and_marks("not multigpu", user_marks)
-    # A user's marker may leave one of the passes nothing to run (`-m multigpu`, `-m fp4`): there
-    # pytest's "no tests collected" (5) is that pass's right answer, not a failed session.
-    narrowed = {"success_codes": [0, 5]} if user_marks else {}
-    session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=workers, **narrowed)
-    multi = _and_marks("multigpu", user_marks)
-    session.run(_python(session), *args, "-m", multi, *posargs, env=_gpu_env(), **narrowed)
+    single, multi = _and_marks("not multigpu", user_marks), _and_marks("multigpu", user_marks)
+    # A user's narrowing (a marker, -k, test paths) may leave one of the passes nothing to run
+    # (`-m multigpu`, one test file): that pass is skipped; a selection neither pass runs fails.
+    runs = {single: True, multi: True}
+    if user_marks or posargs:
+        runs = {marks: _selects_tests(session, [*args[2:], "-m", marks, *posargs]) for marks in runs}
+        if not any(runs.values()):
+            session.error("the selection holds no test on either pass (multi-GPU or not)")
+    for marks, selected in runs.items():
+        if not selected:
+            session.log(f"no test selected with -m {marks!r}: that pass skipped")
+        elif marks == single:
+            session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=workers)
+        else:
+            session.run(_python(session), *args, "-m", multi, *posargs, env=_gpu_env())
+
+
+def _selects_tests(session: nox.Session, pytest_args: list[str]) -> bool:
+    """Whether pytest selects any test given ``pytest_args`` (from ``tests`` on): a collection in
+    the session's interpreter, whose exit status (5: "no tests collected") comes back printed,
+    since with ``silent=True`` nox returns a command's output, not its status."""
+    probe = "import sys, pytest; print('pytest exit', int(pytest.main([*sys.argv[1:], '--collect-only', '-q'])))"
+    output = session.run(_python(session), "-c", probe, *pytest_args, env=_gpu_env(), silent=True)
+    code = int(next(line for line in reversed(output.splitlines()) if line.startswith("pytest exit")).split()[-1])
+    if code not in (0, 5):
+        session.error(f"collecting the selection failed (pytest exit status {code})")
+    return code == 0
 
 
 # A CPU run's pytest-xdist workers: each collects the whole suite and loads PyTorch again, so more

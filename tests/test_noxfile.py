@@ -73,16 +73,22 @@ def _collect_one_file() -> list[str]:
     return ["--collect-only", "-q", *(a for a in ignored if not a.endswith("test_ptxas_report.py"))]
 
 
-def test_no_venv_correctness_runs_in_this_interpreter_installing_nothing():
-    """The offline-GPU-box path: --no-venv must not reach session.install (it raises there)."""
+@pytest.mark.parametrize("gpus", ["0", "2"])
+def test_no_venv_correctness_runs_in_this_interpreter_installing_nothing(gpus):
+    """The offline-GPU-box path: --no-venv must not reach session.install (it raises there). With
+    two GPUs (pretended: collection only) one file of single-GPU tests leaves the multi-GPU pass
+    nothing, which is skipped instead of failing the session with pytest's exit 5."""
     pytest.importorskip("nox")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")} | {"NF4_HARNESS_GPUS": gpus}
     done = subprocess.run(
         [sys.executable, "-m", "nox", "--no-venv", "-s", "correctness", "--", *_collect_one_file()],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT, capture_output=True, text=True, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     output = done.stdout + done.stderr
-    assert "installing nothing" in output and "tests collected" in output
+    assert "installing nothing" in output and "2 tests collected" in output
+    if gpus == "2":
+        assert "no test selected with -m 'multigpu': that pass skipped" in output
 
 
 def test_perf_against_a_ref_runs_that_refs_tests_on_both_checkouts(tmp_path):
@@ -139,37 +145,63 @@ def test_a_users_marker_filter_narrows_the_sessions_instead_of_replacing_it():
 
 
 class _RecordedSession:
-    """What the correctness session uses of a nox session under --no-venv; records each command."""
+    """What the correctness session uses of a nox session under --no-venv; records each command
+    and answers a collection (a silent ``python -c``) from ``empty``: the ``-m`` expressions that
+    select no test."""
 
     venv_backend = "none"
 
-    def __init__(self, posargs: list[str]):
-        self.posargs, self.runs = posargs, []
+    def __init__(self, posargs: list[str], empty: tuple[str, ...] = ()):
+        self.posargs, self.empty, self.runs = posargs, empty, []
 
     def log(self, *args) -> None:
         pass
 
-    def run(self, *args, **kwargs) -> None:
+    def error(self, message: str):
+        raise RuntimeError(message)
+
+    def run(self, *args, **kwargs):
+        if args[1] == "-c" and kwargs.get("silent"):
+            return f"collected\npytest exit {5 if _pass_marks(args) in self.empty else 0}\n"
         self.runs.append((args, kwargs))
 
 
+def _pass_marks(args: tuple[str, ...]) -> str:
+    """The marker expression of a pytest command (its last ``-m``; the first is ``python -m``)."""
+    return args[len(args) - 1 - args[::-1].index("-m") + 1]
+
+
 @pytest.mark.parametrize(
-    ("posargs", "codes"), [(["-m", "multigpu"], [0, 5]), (["-m", "fp4"], [0, 5]), (["-k", "fp4"], None)]
+    ("posargs", "empty", "passes"),
+    [
+        ([], (), ["not multigpu", "multigpu"]),
+        (["-m", "multigpu"], ("(not multigpu) and (multigpu)",), ["(multigpu) and (multigpu)"]),
+        (["-m", "fp4"], ("(multigpu) and (fp4)",), ["(not multigpu) and (fp4)"]),
+        (["tests/test_ptxas_report.py"], ("multigpu",), ["not multigpu"]),
+        (["-k", "fp4"], (), ["not multigpu", "multigpu"]),
+    ],
+    ids=["whole-suite", "marker-multigpu", "marker-fp4", "one-file", "keyword"],
 )
-def test_a_marker_that_empties_one_pass_of_a_multi_gpu_run_does_not_fail_it(monkeypatch, posargs, codes):
+def test_a_selection_that_empties_one_pass_of_a_multi_gpu_run_skips_that_pass(monkeypatch, posargs, empty, passes):
     """On several GPUs the session runs two passes (one worker per GPU, then the multi-GPU cases):
-    a user's marker may leave one of them nothing (`-m multigpu` the first, `-m fp4` the second),
-    and pytest's exit 5 there must not fail the session; without a marker each pass must run."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import noxfile
-    finally:
-        sys.path.remove(str(ROOT))
+    a user's narrowing may leave one of them nothing (`-m multigpu` the first, one test file the
+    second), where pytest would exit 5 and fail the session: that pass is skipped. The whole suite
+    runs both passes without asking."""
+    noxfile = _noxfile()
     monkeypatch.setenv("NF4_HARNESS_GPUS", "2")
-    session = _RecordedSession(list(posargs))
+    session = _RecordedSession(list(posargs), empty)
     noxfile.correctness(session)
-    assert len(session.runs) == 2, session.runs
-    assert [kwargs.get("success_codes") for _, kwargs in session.runs] == [codes, codes]
+    assert [_pass_marks(args) for args, _ in session.runs] == passes
+    assert all("success_codes" not in kwargs for _, kwargs in session.runs)
+
+
+def test_a_selection_that_no_pass_runs_fails_the_multi_gpu_session(monkeypatch):
+    noxfile = _noxfile()
+    monkeypatch.setenv("NF4_HARNESS_GPUS", "2")
+    session = _RecordedSession(["-k", "no_such_test"], ("not multigpu", "multigpu"))
+    with pytest.raises(RuntimeError, match="no test on either pass"):
+        noxfile.correctness(session)
+    assert session.runs == []
 
 
 def test_every_nf4_harness_variable_is_declared_once_in_settings():
