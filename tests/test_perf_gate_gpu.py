@@ -112,9 +112,13 @@ def _status(session: PerfSession) -> int:
 # attack's cases of a few µs reads as a ratio under 0.2); the judge's process, apart from every
 # side's, the fourth; the judge's file guard catches the fifth; the sixth slows only its own
 # dequantization (each side's kernel sources are fixed as it loads), which the gate calls SLOWER.
+# The seventh is the residual risk .github/SECURITY.md states (a side's code runs where its timing
+# is taken): asserted to still win, FASTER and green, so that this test fails the day the gate
+# catches it and the residual's line changes with it.
 # Candidate over base: a base slowed by the reach-base attack's 100 µs a call reads under 0.2 on the
 # attack's cases; the sides' processes shift by a few percent.
 REACH_RATIO_FLOOR = 0.5
+RESIDUAL = "residual"
 ATTACK_OUTCOMES = {
     "memoise": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
     "side-stream": (gate.EXIT_OUTPUT_DIFFERS, policy.ISOLATION),
@@ -122,6 +126,7 @@ ATTACK_OUTCOMES = {
     "reach-judge": (gate.EXIT_OK, policy.ISOLATION),
     "edit-judge": (gate.EXIT_JUDGE_CHANGED, policy.ISOLATION),
     "redirect": (gate.EXIT_REGRESSION, policy.ISOLATION),
+    "rescale": (RESIDUAL, policy.ISOLATION),
 }
 
 
@@ -137,6 +142,8 @@ def test_an_attack_on_the_gate_ends_red_or_changes_nothing(cuda, tmp_path, run_s
     if expected is None:  # the base out of reach: no ratio carries the attack's slowdown of it
         ratios = {cid: j.ratio for cid, j in session.judgements.items()}
         assert min(ratios.values()) > REACH_RATIO_FLOOR, ratios
+    elif expected == RESIDUAL:  # rescaled by 0.97 / 1.08: every case reads about 10% faster, green
+        assert status == gate.EXIT_OK and set(verdicts.values()) == {Verdict.FASTER}, (status, verdicts)
     else:
         assert status != gate.EXIT_OK or Verdict.FASTER not in verdicts.values(), verdicts  # never a green FASTER
         assert status == expected, (verdicts, session.judge_changed)

@@ -485,6 +485,7 @@ ATTACKED_FILES = {
     "reach-judge": ["harness/__init__.py"],
     "edit-judge": ["harness/__init__.py"],
     "redirect": ["harness/__init__.py"],
+    "rescale": ["harness/__init__.py"],
 }
 
 
@@ -502,6 +503,35 @@ def test_each_attack_fixture_puts_valid_python_where_its_attack_runs(tmp_path, a
         text = (root / path).read_text()
         assert "ADVERSARIAL" in text
         compile(text, path, "exec")
+
+
+def test_the_rescale_attack_rescales_what_a_measuring_process_replies(tmp_path):
+    """The attack's package loaded (as a side loads it) in a process whose main module defines the
+    measuring process's ``Worker``: each side's samples come back times its factor, so the GPU
+    self-test's FASTER verdict rests on an attack that really rescaled them."""
+    from harness.perf.session import JUDGE_ROOT
+    from tests.perf import adversarial
+
+    candidate = adversarial.build(JUDGE_ROOT, tmp_path / "cand", "rescale")
+    probe = (
+        "import json\n"
+        "class Worker:\n"
+        "    def op_measure(self, side, samples, variants, checked):\n"
+        "        return {'samples_s': [1.0] * samples, 'discarded': 0}\n"
+        "from pathlib import Path\n"
+        "from harness.perf import sides\n"
+        f"sides.Side('candidate', Path({str(candidate)!r}))\n"
+        "w = Worker()\n"
+        "replies = {s: w.op_measure(side=s, samples=2, variants=[0], checked=[]) for s in ('base', 'candidate')}\n"
+        "print(json.dumps(replies))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         env=os.environ | {"PYTHONPATH": str(JUDGE_ROOT)})  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    replies = json.loads(run.stdout.strip().splitlines()[-1])
+    assert replies == {
+        side: {"samples_s": [factor] * 2, "discarded": 0} for side, factor in adversarial.RESCALE_FACTORS.items()
+    }
 
 
 def test_the_edit_judge_attack_plants_the_base_it_runs_beside_once_and_puts_it_back(tmp_path):

@@ -17,6 +17,11 @@ the product. Each must end in a red gate or an unchanged verdict, never a green 
     redirect      the package's ``__init__`` points the process's kernel sources and compile
                   cache at a copy of its kernels with a slowed dequantization kernel, for every
                   side's compiles after it
+    rescale       the package's ``__init__`` wraps its measuring process's ``op_measure`` so that
+                  the base's samples read 8% longer and its own 3% shorter. Not stopped: a side's
+                  code runs where its timing is taken (.github/SECURITY.md, residual risks); the
+                  GPU self-test asserts it still succeeds, so the day the gate catches it the
+                  test fails and the residual's line changes with it
 
     python -m tests.perf.adversarial DEST ATTACK
 """
@@ -181,7 +186,29 @@ def _adversarial_redirect():
 _adversarial_redirect()
 """
 
-ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge", "redirect")
+_RESCALE = """
+
+# ADVERSARIAL (tests/perf/adversarial.py): the measuring process's samples rescaled, the base's up, its own down.
+def _adversarial_rescale():
+    import sys
+
+    for module in list(sys.modules.values()):
+        worker = getattr(module, "Worker", None)
+        if isinstance(worker, type) and hasattr(worker, "op_measure") and not hasattr(worker, "_adversarial"):
+
+            def rescaled(self, side, *args, _measure=worker.op_measure, **kwargs):
+                reply = _measure(self, side, *args, **kwargs)
+                factor = 0.97 if side == "candidate" else 1.08
+                return reply | {"samples_s": [s * factor for s in reply["samples_s"]]}
+
+            worker.op_measure, worker._adversarial = rescaled, True
+
+
+_adversarial_rescale()
+"""
+RESCALE_FACTORS = {"candidate": 0.97, "base": 1.08}  # what _RESCALE multiplies each side's samples by
+
+ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge", "redirect", "rescale")
 _DROP_INS = ((Path("harness/runtime/api.py"), "dequantize_4bit"), (Path("harness/runtime/api.py"), "matmul_4bit"))
 
 
@@ -198,6 +225,8 @@ def build(source_root: Path, dest: Path, attack: str) -> Path:
         init.write_text(init.read_text() + _REACH_BASE)
     elif attack == "reach-judge":
         init.write_text(init.read_text() + _REACH_JUDGE)
+    elif attack == "rescale":
+        init.write_text(init.read_text() + _RESCALE)
     elif attack in ("edit-judge", "redirect"):
         payload = _EDIT_JUDGE if attack == "edit-judge" else _REDIRECT
         init.write_text(init.read_text() + payload.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
