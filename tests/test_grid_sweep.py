@@ -62,6 +62,26 @@ def _case(times: dict, in_bound: bool = True, M: int = 1, N: int = 1024, K: int 
 RULE = grid_sweep.grid_name(H100_M8.grid(1, 1024, 8192, 8))
 
 
+def test_the_cost_lines_recover_a_fixed_cost_and_a_rate_from_each_kernels_fastest_grids():
+    """Weights whose fastest grid takes 6 µs plus their bytes at 2.5 TB/s (others slower), at 1 and
+    8 rows; a row count with two weights has no line."""
+    from harness.perf import catalog
+
+    def timed(M, N, K):
+        fastest = 6.0 + catalog.matmul_bytes(N, K, M) / 2.5e6
+        return _case({"2c x 16": fastest, "1 x 32": 2 * fastest}, M=M, N=N, K=K)
+
+    weights = [(1024, 8192), (8192, 8192), (28672, 8192), (4096, 14336)]
+    recorded = [timed(M, N, K) for M in (1, 8) for N, K in weights] + [timed(16, N, K) for N, K in weights[:2]]
+    lines = grid_sweep.cost_lines(recorded)
+    assert [(line["kernel"], line["rows"], line["weights"]) for line in lines] == [
+        (mk.SOURCE_M8_PAIRS, 1, 4), (mk.SOURCE_M8_PAIRS, 8, 4)
+    ]  # fmt: skip
+    for line in lines:
+        assert line["fixed µs"] == pytest.approx(6.0) and line["rate TB/s"] == pytest.approx(2.5)
+        assert line["worst residual µs"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_a_case_fails_where_the_rules_grid_is_slower_than_the_tolerance_untimed_or_any_grid_out_of_bound():
     assert RULE not in ("2c x 16", "1 x 32", "8f x 4")
     row = grid_sweep.case_row(_case({RULE: 10.0, "2c x 16": 9.8, "1 x 32": 14.0}), 0.05)

@@ -16,7 +16,9 @@ grids (geometric mean over the cases), or any grid's output is out of bound: on 
 were not fit on, run this before trusting them. Each case's row says whether its own pick is
 within ``--tolerance`` of the fastest.
 Each case is recorded with every grid's time and what the rules read of the GPU, so ``--replay``
-judges a changed rule against a recorded sweep without a GPU.
+judges a changed rule against a recorded sweep without a GPU. The report ends with each kernel's
+fastest times at each row count fit as a fixed cost plus the bytes at a streaming rate
+(``cost_lines``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import math
 from pathlib import Path
 
 import torch
+from scipy import stats
 from tabulate import tabulate
 
 from harness.correctness import cases, shapes
 from harness.correctness import matmul_reference as mr
-from harness.perf import gpu_info, gpu_timer
+from harness.perf import catalog, gpu_info, gpu_timer
 from harness.runtime import launcher, matmul, matmul_kernel
 
 ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
@@ -119,6 +122,30 @@ def summary(rows: list[dict], tolerance: float) -> dict:
     }
 
 
+def cost_lines(recorded_cases: list[dict]) -> list[dict]:
+    """For each kernel and row count with three weights or more, the fastest grids' times fit (least
+    squares over the weights) as a fixed cost plus the call's bytes (``catalog.matmul_bytes``) at a
+    streaming rate: what a call pays whatever its size (launch, ramp, tail, and the timer's own
+    floor) and how fast the rest goes (kernels/NOTES.md, "The pair-table kernel's time as a fixed
+    cost plus a streaming rate")."""
+    groups: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for case in recorded_cases:
+        point = (catalog.matmul_bytes(case["N"], case["K"], case["M"]), min(case["µs by grid"].values()))
+        groups.setdefault((case["kernel"], case["M"]), []).append(point)
+    lines = []
+    for (kernel, rows), points in sorted(groups.items()):
+        if len(points) < 3:
+            continue
+        nbytes, us = zip(*points, strict=True)
+        fit = stats.linregress(nbytes, us)
+        residuals = [t - fit.intercept - fit.slope * b for b, t in points]
+        lines.append({
+            "kernel": kernel, "rows": rows, "weights": len(points), "fixed µs": fit.intercept,
+            "rate TB/s": 1e-6 / fit.slope, "worst residual µs": max(map(abs, residuals)),
+        })  # fmt: skip
+    return lines
+
+
 def time_grids(timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids) -> tuple[dict, bool]:
     """({grid name: GPU µs}, every grid's output in bound) for one call."""
     times, in_bound = {}, True
@@ -159,6 +186,7 @@ def report(recorded: dict, tolerance: float, geomean_tolerance: float, out: Path
     (out / "grid-sweep.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = tabulate(rows, headers="keys", floatfmt=".4g", tablefmt="github")
     text += "\n\n" + tabulate([result["summary"]], headers="keys", floatfmt=".4g", tablefmt="github")
+    text += "\n\n" + tabulate(cost_lines(recorded["cases"]), headers="keys", floatfmt=".3g", tablefmt="github")
     (out / "grid-sweep.md").write_text(text + "\n")
     print(text)
     good = result["summary"]["geomean rules ÷ fastest"] <= 1 + geomean_tolerance
