@@ -186,6 +186,7 @@ def _adversarial_redirect():
 _adversarial_redirect()
 """
 
+RESCALE_FACTORS = {"base": 1.08, "candidate": 0.97}  # what the rescale attack multiplies each side's samples by
 _RESCALE = """
 
 # ADVERSARIAL (tests/perf/adversarial.py): the measuring process's samples rescaled, the base's up, its own down.
@@ -198,7 +199,7 @@ def _adversarial_rescale():
 
             def rescaled(self, side, *args, _measure=worker.op_measure, **kwargs):
                 reply = _measure(self, side, *args, **kwargs)
-                factor = 0.97 if side == "candidate" else 1.08
+                factor = FACTORS.get(side, 1.0)
                 return reply | {"samples_s": [s * factor for s in reply["samples_s"]]}
 
             worker.op_measure, worker._adversarial = rescaled, True
@@ -206,7 +207,6 @@ def _adversarial_rescale():
 
 _adversarial_rescale()
 """
-RESCALE_FACTORS = {"candidate": 0.97, "base": 1.08}  # what _RESCALE multiplies each side's samples by
 
 ATTACKS = ("memoise", "side-stream", "reach-base", "reach-judge", "edit-judge", "redirect", "rescale")
 _DROP_INS = ((Path("harness/runtime/api.py"), "dequantize_4bit"), (Path("harness/runtime/api.py"), "matmul_4bit"))
@@ -226,7 +226,7 @@ def build(source_root: Path, dest: Path, attack: str) -> Path:
     elif attack == "reach-judge":
         init.write_text(init.read_text() + _REACH_JUDGE)
     elif attack == "rescale":
-        init.write_text(init.read_text() + _RESCALE)
+        init.write_text(init.read_text() + _RESCALE.replace("FACTORS", repr(RESCALE_FACTORS)))
     elif attack in ("edit-judge", "redirect"):
         payload = _EDIT_JUDGE if attack == "edit-judge" else _REDIRECT
         init.write_text(init.read_text() + payload.replace("PLANTED_DIR", repr(str(Path(planted.__file__).parent))))
