@@ -217,8 +217,9 @@ def correctness(session: nox.Session) -> None:
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
     workers = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
     single, multi = _and_marks("not multigpu", user_marks), _and_marks("multigpu", user_marks)
-    # A user's narrowing (a marker, -k, test paths) may leave one of the passes nothing to run
-    # (`-m multigpu`, one test file): that pass is skipped; a selection neither pass runs fails.
+    # A user's narrowing (a marker, -k, --ignore) may leave one of the passes nothing to run
+    # (`-m multigpu`, `-k` naming single-GPU tests): that pass is skipped; a selection neither pass
+    # runs fails.
     runs = {single: True, multi: True}
     if user_marks or posargs:
         runs = {marks: _selects_tests(session, [*args[2:], "-m", marks, *posargs]) for marks in runs}

@@ -177,16 +177,16 @@ def _pass_marks(args: tuple[str, ...]) -> str:
         ([], (), ["not multigpu", "multigpu"]),
         (["-m", "multigpu"], ("(not multigpu) and (multigpu)",), ["(multigpu) and (multigpu)"]),
         (["-m", "fp4"], ("(multigpu) and (fp4)",), ["(not multigpu) and (fp4)"]),
-        (["tests/test_ptxas_report.py"], ("multigpu",), ["not multigpu"]),
+        (["-k", "ptxas_report"], ("multigpu",), ["not multigpu"]),
         (["-k", "fp4"], (), ["not multigpu", "multigpu"]),
     ],
-    ids=["whole-suite", "marker-multigpu", "marker-fp4", "one-file", "keyword"],
+    ids=["whole-suite", "marker-multigpu", "marker-fp4", "keyword-single-gpu-only", "keyword-both"],
 )
 def test_a_selection_that_empties_one_pass_of_a_multi_gpu_run_skips_that_pass(monkeypatch, posargs, empty, passes):
     """On several GPUs the session runs two passes (one worker per GPU, then the multi-GPU cases):
-    a user's narrowing may leave one of them nothing (`-m multigpu` the first, one test file the
-    second), where pytest would exit 5 and fail the session: that pass is skipped. The whole suite
-    runs both passes without asking."""
+    a user's narrowing may leave one of them nothing (`-m multigpu` the first, `-k` naming
+    single-GPU tests the second), where pytest would exit 5 and fail the session: that pass is
+    skipped. The whole suite runs both passes without asking."""
     noxfile = _noxfile()
     monkeypatch.setenv("NF4_HARNESS_GPUS", "2")
     session = _RecordedSession(list(posargs), empty)
