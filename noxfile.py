@@ -216,22 +216,22 @@ def correctness(session: nox.Session) -> None:
     # that need several GPUs in one process.
     session.log(f"{gpus} GPUs visible: {gpus} workers, one per GPU")
     workers = _gpu_env(**{SETTINGS.WORKER_GPUS.name: ",".join(map(str, range(gpus)))})
-    single, multi = _and_marks("not multigpu", user_marks), _and_marks("multigpu", user_marks)
+    passes = [  # (marker expression, xdist arguments, environment)
+        (_and_marks("not multigpu", user_marks), ("-n", str(gpus)), workers),
+        (_and_marks("multigpu", user_marks), (), _gpu_env()),
+    ]
     # A user's narrowing (a marker, -k, --ignore) may leave one of the passes nothing to run
     # (`-m multigpu`, `-k` naming single-GPU tests): that pass is skipped; a selection neither pass
     # runs fails.
-    runs = {single: True, multi: True}
     if user_marks or posargs:
-        runs = {marks: _selects_tests(session, [*args[2:], "-m", marks, *posargs]) for marks in runs}
-        if not any(runs.values()):
-            session.error("the selection holds no test on either pass (multi-GPU or not)")
-    for marks, selected in runs.items():
-        if not selected:
+        selected = [p for p in passes if _selects_tests(session, [*args[2:], "-m", p[0], *posargs])]
+        for marks, _, _ in (p for p in passes if p not in selected):
             session.log(f"no test selected with -m {marks!r}: that pass skipped")
-        elif marks == single:
-            session.run(_python(session), *args, "-n", str(gpus), "-m", single, *posargs, env=workers)
-        else:
-            session.run(_python(session), *args, "-m", multi, *posargs, env=_gpu_env())
+        if not selected:
+            session.error("the selection holds no test on either pass (multi-GPU or not)")
+        passes = selected
+    for marks, xdist, env in passes:
+        session.run(_python(session), *args, *xdist, "-m", marks, *posargs, env=env)
 
 
 def _selects_tests(session: nox.Session, pytest_args: list[str]) -> bool:

@@ -167,8 +167,8 @@ class _RecordedSession:
 
 
 def _pass_marks(args: tuple[str, ...]) -> str:
-    """The marker expression of a pytest command (its last ``-m``; the first is ``python -m``)."""
-    return args[len(args) - 1 - args[::-1].index("-m") + 1]
+    """The marker expression of a pytest command (after its last ``-m``; the first is ``python -m``)."""
+    return args[max(i for i, arg in enumerate(args) if arg == "-m") + 1]
 
 
 @pytest.mark.parametrize(
