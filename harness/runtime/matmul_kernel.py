@@ -335,20 +335,20 @@ def grid_for(
         n, per_split = shape(splits)
         return busiest_sm_steps(units * n, per_split, sms), n
 
-    # Two splits (in a cluster where they fit): what each rule's grid below may give way to.
+    # Two splits (in a cluster where they fit): what each rule's grid below may give way to. A
+    # decode kernel's pair is no slower than n splits where a split runs at most CLUSTER_PAIR_STEPS
+    # and its busiest SM no more steps.
     pair_n, pair_steps = shape(2)
     pair_fits = pair_n == 2 and clusters_fit(units, 2, pair_steps, blocks_per_sm, sms, max_clusters)
+
+    def pair_no_slower(n: int) -> bool:
+        return pair_n == 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
+
     if tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS):
         options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
         grid = min(options, key=lambda option: option[0])[1]
         n = grid.splits
-        pair_pays = (
-            pair_n == 2 != n
-            and blocks_per_sm >= BUSIEST_SM_BLOCKS
-            and not grid.clustered
-            and pair_steps <= CLUSTER_PAIR_STEPS
-            and cost(2)[0] <= cost(n)[0]
-        )
+        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and not grid.clustered and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
@@ -359,7 +359,7 @@ def grid_for(
     else:
         fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
         n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
-        pair_pays = n > 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
+        pair_pays = n > 2 and pair_no_slower(n)
     if pair_fits and pair_pays:  # before a cluster of more splits: the pair measured faster there
         return Grid((groups, 2, tiles), pair_steps, True)
     return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
