@@ -1,6 +1,6 @@
-"""One registry of ops (``harness.runtime.ops.OPS``) and the tables keyed by it: an op missing from
-any of them, or an entry for an op that is not registered, fails here on the CPU instead of in the
-middle of a GPU session."""
+"""One registry of ops (``harness.runtime.ops.OPS``, each op's product half) and the judge's
+(``harness.correctness.op_checks.CHECKS``, each op's judge half): an op missing from either, or a
+half without the other, fails here on the CPU instead of in the middle of a GPU session."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import importlib
 import pytest
 import torch
 
-from harness.correctness import sanitize_cases
-from harness.perf import catalog, stage
+from harness.correctness import op_checks
+from harness.perf import catalog
 from harness.runtime import host_launcher, ops, torch_op
 
 NAMES = [op.name for op in ops.OPS]
@@ -34,9 +34,9 @@ def test_the_torch_op_names_are_unique_across_ops():
     assert len(set(names)) == len(names)
 
 
-def test_every_tooling_table_is_keyed_by_the_registry():
-    assert set(stage.KINDS) == set(NAMES), "perf stage kinds"
-    assert set(sanitize_cases.CASES) == set(NAMES), "sanitizer cases"
+def test_every_op_has_its_judge_half_under_its_own_name_and_the_perf_catalog_times_it():
+    assert list(op_checks.CHECKS) == NAMES, "one judge half an op, in the registry's order"
+    assert all(checks.name == name for name, checks in op_checks.CHECKS.items())
     timed = {case.kind for case in catalog.timed_cases()}
     assert timed == set(NAMES), "the perf catalog times every op"
 

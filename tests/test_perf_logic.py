@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.correctness import op_checks
 from harness.perf import baseline, catalog, gate, gpu_info, gpu_timer, policy, report, sides, stage, tree_guard
 from harness.perf.gpu_timer import StopRule, ThrottleRule, relative_noise
 from harness.perf.stats import PairedRatio, holm, relative_spread
@@ -143,9 +144,9 @@ def test_exit_status_says_which_kind_of_red():
 
 
 def test_size_classes_cover_every_case():
-    ids = [c.id for c in catalog.kernel_cases()]
+    ids = [c.id for c in op_checks.dequantize.perf_cases()]
     assert len(ids) == len(set(ids)) >= 62
-    classes = {c.size_class.name for c in catalog.kernel_cases()}
+    classes = {policy.size_class(c.numel).name for c in op_checks.dequantize.perf_cases()}
     assert classes == {"large", "mid", "small"}
     assert [c.name for c in policy.SIZE_CLASSES] == ["large", "mid", "small"]
 
@@ -235,7 +236,7 @@ def test_committed_baselines_load(tmp_path):
 
 
 def _fake_session(ab: bool = True):
-    case = next(c for c in catalog.kernel_cases() if c.id == "llama-3.3-70b.gate_proj-nf4-fp16-bs64-nested")
+    case = next(c for c in op_checks.dequantize.perf_cases() if c.id == "llama-3.3-70b.gate_proj-nf4-fp16-bs64-nested")
     b, c = _rounds(random.Random(5), 204.7e-6, 0.0, 0.001, 8)
     result = SimpleNamespace(
         case=case,
@@ -245,7 +246,7 @@ def _fake_session(ab: bool = True):
         rejected_batches=[],
         references_s={"bnb_kernel": 270e-6, "bnb_full": 290e-6, "same_size_copy": 200e-6},
     )
-    judgements = gate.judge({case.id: (PairedRatio.from_rounds(b, c), case.size_class)}) if ab else {}
+    judgements = gate.judge({case.id: (PairedRatio.from_rounds(b, c), policy.size_class(case.numel))}) if ab else {}
     return SimpleNamespace(
         kernel={case.id: result},
         e2e={},
@@ -365,7 +366,8 @@ def _output(lent: stage.Lent, variant: int) -> torch.Tensor:
 
 def test_a_matmul_case_has_a_reference_of_its_own_and_a_dequantization_takes_its_first_sides():
     """What decides whether a session alone judges a side's prepared outputs (``own_reference``)."""
-    assert {kind: _prepared_stage(kind).own_reference for kind in stage.KINDS} == {"dequantize": False, "matmul": True}
+    own = {kind: _prepared_stage(kind).own_reference for kind in op_checks.CHECKS}
+    assert own == {"dequantize": False, "matmul": True}
 
 
 @pytest.mark.parametrize("kind", ["dequantize", "matmul"])
@@ -709,12 +711,14 @@ def test_a_side_is_named_by_a_commit_only_at_the_top_of_its_checkout(tmp_path):
     assert sides.describe(tmp_path) == str(tmp_path.resolve())
 
 
-def test_every_case_the_catalog_times_has_its_kind_in_the_stage():
-    """The stage asks a case's kind for its inputs, call, reference and check (``stage.KINDS``):
-    a catalog case of a kind it does not know would fail only on a GPU, in the middle of a session."""
-    kinds = {case.kind for case in catalog.timed_cases()}
-    assert kinds == set(stage.KINDS) == {op.name for op in ops.OPS}
-    assert all(kind.name == name for name, kind in stage.KINDS.items())
+def test_every_case_the_catalog_times_is_of_an_op_the_judge_stages():
+    """The stage asks a case's op for its inputs, call, reference and check (``op_checks.CHECKS``):
+    a catalog case of an op it does not know would fail only on a GPU, in the middle of a session."""
+    kinds = [case.kind for case in catalog.timed_cases()]
+    assert set(kinds) == set(op_checks.CHECKS) == {op.name for op in ops.OPS}
+    for name, checks in op_checks.CHECKS.items():  # each op's cases are its own, in one run
+        assert checks.name == name and all(case.kind == name for case in checks.perf_cases())
+    assert kinds == sorted(kinds, key=list(op_checks.CHECKS).index)
 
 
 @pytest.mark.parametrize("order", [("candidate", "base"), ("base", "candidate")])
@@ -815,15 +819,17 @@ def test_bytecode_planted_beside_a_module_is_not_what_a_private_bytecode_directo
 
 
 def test_the_judge_imports_its_late_modules_before_any_side_runs():
-    """Every module the judge's perf code and tests import inside a function (a first import during a
-    session) is imported at its start (``session.JUDGE_LATE_IMPORTS``), but the judge's own package."""
+    """Every module the judge's perf code, its ops' judge halves and its perf tests import inside a
+    function (a first import during a session) is imported at its start
+    (``session.JUDGE_LATE_IMPORTS``), but the judge's own package."""
     import ast
 
     from harness.perf import session
 
     root = session.JUDGE_ROOT
     late = set()
-    for path in [*(root / "harness" / "perf").glob("*.py"), *(root / "tests" / "perf").glob("*.py")]:
+    judged = [root / "harness" / "perf", root / "harness" / "correctness" / "op_checks", root / "tests" / "perf"]
+    for path in [p for folder in judged for p in folder.glob("*.py")]:
         for function in ast.walk(ast.parse(path.read_text())):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -873,7 +879,7 @@ def test_every_case_kind_gives_its_host_calls_through_its_drop_in():
             called.append(("matmul_4bit", "out" in kwargs))
 
     t = torch.zeros(4, 2)
-    for kind in stage.KINDS:
+    for kind in op_checks.CHECKS:
         lent = stage.Lent(kind, t, SimpleNamespace(shape=(4, 2)), t, t, t, t, t)
         calls = lent.host_calls(DropIns())
         assert {"ours", "ours out=", "bnb full"} == set(calls)

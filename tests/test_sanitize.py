@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from harness.correctness import sanitize, sanitize_cases
+from harness.correctness import op_checks, sanitize
 from harness.runtime import matmul_kernel, ops
 from tests import hopper_plans as hopper
 
@@ -98,7 +99,7 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
     and the finish kernel), and the 8-token kernel's last step past K (its zero tables), on any
     GPU that holds three blocks."""
     seen = set()
-    for (M, N, K), rule in itertools.product(sanitize_cases.MATMUL_SHAPES, RULES):
+    for (M, N, K), rule in itertools.product(op_checks.matmul.SANITIZE_SHAPES, RULES):
         tokens = matmul_kernel.token_tile(M)
         grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms, rule=rule)
         partial_step = K % matmul_kernel.step_k(tokens) != 0
@@ -119,7 +120,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
     for rule in RULES:  # the pair-table (nested) and register-table (plain) 8-token kernels' rules
         ways = set()
-        for M, N, K in sanitize_cases.MATMUL_SHAPES:
+        for M, N, K in op_checks.matmul.SANITIZE_SHAPES:
             tokens = matmul_kernel.token_tile(M)
             per_sm, clusters = plans.get(tokens, (4, ()))
             grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters, rule=rule)
@@ -144,10 +145,16 @@ def test_the_sanitized_process_runs_every_ops_cases_and_fails_on_any_wrong_outpu
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(sanitize_cases, "CASES", {op.name: cases_of(op.name, 0) for op in ops.OPS})
+
+    def checks(wrong_of):
+        return {
+            op.name: replace(op_checks.CHECKS[op.name], sanitize=cases_of(op.name, wrong_of(op.name))) for op in ops.OPS
+        }
+
+    monkeypatch.setattr(op_checks, "CHECKS", checks(lambda name: 0))
     assert sanitize.run_cases("raw") == 0
     assert seen == [(op.name, "raw", torch.device("cuda", 0)) for op in ops.OPS]
     last = ops.OPS[-1].name
-    monkeypatch.setattr(sanitize_cases, "CASES", {op.name: cases_of(op.name, op.name == last) for op in ops.OPS})
+    monkeypatch.setattr(op_checks, "CHECKS", checks(lambda name: name == last))
     assert sanitize.run_cases("bnb") == 1
     assert "cases: 1 outputs differ" in capsys.readouterr().out

@@ -3,10 +3,11 @@
     python -m harness.correctness.sanitize [--tools memcheck,initcheck] [--inputs raw,bnb] [--out DIR]
 
 Each tool runs this module again under ``compute-sanitizer`` (``--cases``), which launches every
-op's reduced matrix of calls through its public path (``sanitize_cases.CASES``, one entry an op
-of ``harness.runtime.ops.OPS``: for the dequantization every variant by both host paths and both
-tilings, with a tail and a misaligned output; for the fused matmul every format, K split and not,
-one token tile and two, with a bias, by both host paths).
+op's reduced matrix of calls through its public path (its ``OpChecks.sanitize`` in
+``harness.correctness.op_checks``, for every op of ``harness.runtime.ops.OPS``: for the
+dequantization every variant by both host paths and both tilings, with a tail and a misaligned
+output; for the fused matmul every format, K split and not, one token tile and two, with a bias,
+by both host paths).
 Every error is attributed to the kernel it names: only errors in ours fail the run; errors in
 other kernels (PyTorch's, bitsandbytes') and host API errors the libraries hit while probing
 (``cuGetProcAddress`` and the like) are counted apart. memcheck, racecheck and synccheck check
@@ -14,7 +15,7 @@ our kernel alone (``--kernel-name``); initcheck checks every kernel, because it 
 are initialized only from the kernels it instruments: filtered to ours, it reports every byte
 another kernel wrote (bitsandbytes' quantized data, say) as uninitialized.
 
-Inputs (``sanitize_cases``): ``raw`` random bytes and scales, ``bnb`` weights quantized by
+Inputs (``sanitize_inputs``): ``raw`` random bytes and scales, ``bnb`` weights quantized by
 bitsandbytes. Every case prints its input buffers' address ranges, and each uninitialized read is
 traced to the buffer and byte offset it hit.
 """
@@ -31,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.correctness import sanitize_cases
+from harness.correctness import op_checks, sanitize_inputs
 from harness.runtime import ops
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -52,12 +53,12 @@ _ADDRESS = re.compile(r"Address (0x[0-9a-fA-F]+)")
 
 def run_cases(inputs: str) -> int:
     """Launch every op's reduced matrix once (under a sanitizer, from ``main``): each op's cases in
-    ``sanitize_cases.CASES``; 0 when every output is right (bitsandbytes' bits, or inside the fused
+    ``op_checks.CHECKS``; 0 when every output is right (bitsandbytes' bits, or inside the fused
     matmul's fp64 bound)."""
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
-    wrong = sum(sanitize_cases.CASES[op.name](inputs, device) for op in ops.OPS)
+    wrong = sum(op_checks.CHECKS[op.name].sanitize(inputs, device) for op in ops.OPS)
     torch.cuda.synchronize(device)
     print(f"cases: {wrong} outputs differ from bitsandbytes (or leave the matmul's bound)", flush=True)
     return 1 if wrong else 0
@@ -84,8 +85,8 @@ def trace_reads(report: str) -> list[dict]:
     """Uninitialized reads in our kernel, each traced to (case, buffer, byte offset) through the
     address ranges the cases printed."""
     ranges = []
-    for m in sanitize_cases.RANGES.finditer(report):
-        for name, start, size in sanitize_cases.RANGE.findall(m.group("ranges")):
+    for m in sanitize_inputs.RANGES.finditer(report):
+        for name, start, size in sanitize_inputs.RANGE.findall(m.group("ranges")):
             ranges.append((int(start, 16), int(size), m.group("label"), name))
     traced = []
     for what, where, address in error_records(report):

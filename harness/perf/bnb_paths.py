@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 from harness.correctness.bitcompare import int_view
-from harness.perf import catalog, gpu_info, gpu_timer
+from harness.correctness.op_checks import matmul as matmul_checks
+from harness.perf import gpu_info, gpu_timer
 from harness.runtime import patch
 
 LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
@@ -244,7 +245,7 @@ def matmul_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=MATMU
         with torch.no_grad():
             us = {name: timer.measure(fn).median_s * 1e6 for name, fn in calls.items()}
             verdict = mr.judge(calls["ours fused"](), mr.fused_reference(x, B, qs, W, None, torch.bfloat16))
-        roofline_us = catalog.matmul_bytes(N, K, m) / copy_gbps / 1e3
+        roofline_us = matmul_checks.matmul_bytes(N, K, m) / copy_gbps / 1e3
         rows.append(
             {
                 "layer": f"{layer} {N}x{K}",

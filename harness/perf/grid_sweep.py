@@ -34,7 +34,8 @@ from tabulate import tabulate
 
 from harness.correctness import cases, shapes
 from harness.correctness import matmul_reference as mr
-from harness.perf import catalog, gpu_info, gpu_timer
+from harness.correctness.op_checks import matmul as matmul_checks
+from harness.perf import gpu_info, gpu_timer
 from harness.runtime import launcher, matmul, matmul_kernel
 
 ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
@@ -124,13 +125,13 @@ def summary(rows: list[dict], tolerance: float) -> dict:
 
 def cost_lines(recorded_cases: list[dict]) -> list[dict]:
     """For each kernel and row count with three weights or more, the fastest grids' times fit (least
-    squares over the weights) as a fixed cost plus the call's bytes (``catalog.matmul_bytes``) at a
+    squares over the weights) as a fixed cost plus the call's bytes (``op_checks.matmul.matmul_bytes``) at a
     streaming rate: what a call pays whatever its size (launch, ramp, tail, and the timer's own
     floor) and how fast the rest goes (kernels/NOTES.md, "The pair-table kernel's time as a fixed
     cost plus a streaming rate")."""
     groups: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for case in recorded_cases:
-        point = (catalog.matmul_bytes(case["N"], case["K"], case["M"]), min(case["µs by grid"].values()))
+        point = (matmul_checks.matmul_bytes(case["N"], case["K"], case["M"]), min(case["µs by grid"].values()))
         groups.setdefault((case["kernel"], case["M"]), []).append(point)
     lines = []
     for (kernel, rows), points in sorted(groups.items()):

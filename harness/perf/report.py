@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness.correctness import op_checks
 from harness.perf import gate, policy
 from harness.perf.baseline import DriftRow
 
@@ -88,7 +89,7 @@ def kernel_rows(session, drift: Mapping[str, DriftRow]) -> list[dict]:
         row = {
             "case": cid,
             "kind": r.case.kind,
-            "class": r.case.size_class.name,
+            "class": policy.size_class(r.case.numel).name,
             "base_us": r.base_us,
             "cand_us": us,
             "outputs_agree": r.outputs_agree,
@@ -230,34 +231,35 @@ def write_outputs(session, drift, drift_line: str, status: int, out_dir: Path) -
         with open(step_summary, "a") as fh:
             fh.write(markdown)
     rows = kernel_rows(session, drift)
-    plotted = any(r["kind"] == "dequantize" for r in rows)
-    return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if plotted else None}
+    return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if rows else None}
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """% of the same-run copy bandwidth per dequantization case: the candidate next to bitsandbytes."""
+    """% of the same-run copy bandwidth per case (the fewest bytes the call moves over its time: its
+    roofline's share), a panel per op: the candidate next to bitsandbytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.get("kind", "dequantize") == "dequantize"]
-
-    names = [r["case"] for r in rows]
-    series = {"nf4-harness (candidate)": [r["pct_copy"] for r in rows]}
-    if all(r.get("x_bnb_kernel") for r in rows):
-        series["bitsandbytes kernel"] = [r["pct_copy"] / r["x_bnb_kernel"] for r in rows]
-    if all(r.get("x_bnb_full") for r in rows):
-        series["bitsandbytes dequantize_4bit"] = [r["pct_copy"] / r["x_bnb_full"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(names) + 3), 5.5))
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(names))], values, width, label=label)
-    ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
-    ax.set_ylabel("% of same-run device-to-device copy bandwidth")
-    ax.set_title("4-bit dequantization, GPU time per launch (cold L2)")
-    ax.legend(fontsize=8)
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    widest = max(sum(r["kind"] == kind for r in rows) for kind in kinds)
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(8, 0.32 * widest + 3), 5.5 * len(kinds)), squeeze=False)
+    for ax, kind in zip(axes[:, 0], kinds, strict=True):
+        panel = [r for r in rows if r["kind"] == kind]
+        series = {"nf4-harness (candidate)": [r["pct_copy"] for r in panel]}
+        if all(r.get("x_bnb_kernel") for r in panel):
+            series["bitsandbytes kernel"] = [r["pct_copy"] / r["x_bnb_kernel"] for r in panel]
+        if all(r.get("x_bnb_full") for r in panel):
+            series["bitsandbytes (full call)"] = [r["pct_copy"] / r["x_bnb_full"] for r in panel]
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series.items()):
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(panel))], values, width, label=label)
+        ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(panel)), [r["case"] for r in panel], rotation=75, ha="right", fontsize=7)
+        ax.set_ylabel("% of same-run device-to-device copy bandwidth")
+        ax.set_title(f"{op_checks.CHECKS[kind].title}, GPU time per launch (cold L2)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

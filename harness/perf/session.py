@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from harness import settings
+from harness.correctness.op_checks.unit import PerfCase
 from harness.perf import baseline, gate, gpu_info, gpu_timer, policy, sides, stage, tree_guard
-from harness.perf.catalog import E2E_STEP, KernelCase
+from harness.perf.catalog import E2E_STEP
 from harness.perf.stats import PairedRatio
 from harness.runtime import jit
 
@@ -127,7 +128,7 @@ class Worker:
 
 @dataclass
 class KernelResult:
-    case: KernelCase
+    case: PerfCase
     base_rounds_s: list[float] = field(default_factory=list)  # per-round median, base side
     cand_rounds_s: list[float] = field(default_factory=list)  # per-round median, candidate side
     cand_samples_s: list[float] = field(default_factory=list)  # every kept candidate sample
@@ -244,7 +245,7 @@ class PerfSession:
         return (a, b, b, a) if index % 2 == 0 else (b, a, a, b)
 
     # -- kernel cases ---------------------------------------------------------------------------
-    def _prepare(self, case: KernelCase) -> bool:
+    def _prepare(self, case: PerfCase) -> bool:
         """Build the case, lend it to every side, and say whether each side's prepared outputs
         are what the case demands."""
         self._stage = stage.Stage(case.spec(self.seed), self.device, self.timer.flush_buffer)
@@ -274,7 +275,7 @@ class PerfSession:
             if self.ab:
                 result.base_rounds_s.append(statistics.median(batch["base"]))
 
-    def measure_kernel(self, case: KernelCase) -> KernelResult:
+    def measure_kernel(self, case: PerfCase) -> KernelResult:
         """Measure one case on both sides (and the reference implementations in this process)."""
         t0 = time.perf_counter()
         result = KernelResult(case)
@@ -334,7 +335,7 @@ class PerfSession:
 
     # -- verdicts ---------------------------------------------------------------------------------
     def _evidence(self) -> dict:
-        return {cid: (r.paired, r.case.size_class) for cid, r in self.kernel.items()}
+        return {cid: (r.paired, policy.size_class(r.case.numel)) for cid, r in self.kernel.items()}
 
     def settle(self) -> dict[str, gate.Judgement]:
         """Judge every kernel case; re-measure the AMBIGUOUS ones with more rounds until each is

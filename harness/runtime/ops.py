@@ -2,10 +2,11 @@
 entry points) and its call module (the module that holds its ``HostOp`` for the compiled host
 path and its ``TORCH_OPS`` for torch.compile). The shared machinery that compiles, records or
 sanitizes every kernel (``harness.compile_check``, ``harness.correctness.sanitize``) iterates
-``OPS`` instead of naming ops, and the tooling's per-op tables (``harness.perf.stage.KINDS``,
-``harness.correctness.sanitize_cases.CASES``) are keyed by ``Op.name``; tests/test_op_registry.py
-fails for an op missing from any of them. Another op is its own kernel and call modules, one line
-here and one entry in each of those tables.
+``OPS`` instead of naming ops. This is the op's product half; its judge half (how it is staged,
+timed, judged and sanitized) is one ``OpChecks`` under the same name in
+``harness.correctness.op_checks``, which the base owns (tests/test_op_registry.py fails for an op
+missing from either). Another op is its own kernel and call modules and one line here, and its
+judge module and one line there.
 
 Importable without PyTorch (the compile check runs on machines without it).
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.perf import catalog
+from harness.perf import catalog, policy
 
 from .conftest import Replay, replay_into
 
@@ -22,7 +22,7 @@ def test_drop_in_speed(benchmark, perf_session, case):
     benchmark.extra_info.update(
         {
             "case": case.id,
-            "size_class": case.size_class.name,
+            "size_class": policy.size_class(case.numel).name,
             "bytes_moved": case.bytes_moved(),
             "candidate_rounds_s": result.cand_rounds_s,
             "base_rounds_s": result.base_rounds_s,
