@@ -261,6 +261,21 @@ def _fake_session(ab: bool = True):
     )
 
 
+def test_the_plot_has_a_panel_per_op_titled_by_its_judge_half_with_the_series_every_case_has():
+    rows = [
+        {"kind": "dequantize", "case": "d1", "pct_copy": 90.0, "x_bnb_kernel": 1.5, "x_bnb_full": 1.8},
+        {"kind": "matmul", "case": "m1", "pct_copy": 60.0, "x_bnb_kernel": None, "x_bnb_full": 2.0},
+        {"kind": "dequantize", "case": "d2", "pct_copy": 80.0, "x_bnb_kernel": 2.0, "x_bnb_full": None},
+    ]
+    (d_title, d_cases, d_series), (m_title, m_cases, m_series) = report.plot_panels(rows)
+    assert d_title.startswith(op_checks.CHECKS["dequantize"].title) and m_title.startswith(
+        op_checks.CHECKS["matmul"].title
+    )
+    assert (d_cases, m_cases) == (["d1", "d2"], ["m1"])
+    assert d_series == {"nf4-harness (candidate)": [90.0, 80.0], "bitsandbytes kernel": [60.0, 40.0]}
+    assert m_series == {"nf4-harness (candidate)": [60.0], "bitsandbytes (full call)": [30.0]}
+
+
 def test_summary_table_drops_columns_nobody_has(tmp_path, monkeypatch):
     step = tmp_path / "step.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))

@@ -234,31 +234,40 @@ def write_outputs(session, drift, drift_line: str, status: int, out_dir: Path) -
     return {"markdown": md_path, "plot": plot(rows, out_dir / "perf-copy-bandwidth.png") if rows else None}
 
 
+def plot_panels(rows: list[dict]) -> list[tuple[str, list[str], dict[str, list[float]]]]:
+    """The plot's panels, one an op in the rows' order: (title, case ids, series), each series a
+    % of the same-run copy bandwidth per case (the fewest bytes the call moves over its time: its
+    roofline's share), the candidate's and bitsandbytes' where every case has it."""
+    panels = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        panel = [r for r in rows if r["kind"] == kind]
+        series = {"nf4-harness (candidate)": [r["pct_copy"] for r in panel]}
+        for key, label in (("x_bnb_kernel", "bitsandbytes kernel"), ("x_bnb_full", "bitsandbytes (full call)")):
+            if all(r.get(key) for r in panel):
+                series[label] = [r["pct_copy"] / r[key] for r in panel]
+        title = f"{op_checks.CHECKS[kind].title}, GPU time per launch (cold L2)"
+        panels.append((title, [r["case"] for r in panel], series))
+    return panels
+
+
 def plot(rows: list[dict], path: Path) -> Path:
-    """% of the same-run copy bandwidth per case (the fewest bytes the call moves over its time: its
-    roofline's share), a panel per op: the candidate next to bitsandbytes."""
+    """``plot_panels`` drawn one above the other."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
-    widest = max(sum(r["kind"] == kind for r in rows) for kind in kinds)
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(8, 0.32 * widest + 3), 5.5 * len(kinds)), squeeze=False)
-    for ax, kind in zip(axes[:, 0], kinds, strict=True):
-        panel = [r for r in rows if r["kind"] == kind]
-        series = {"nf4-harness (candidate)": [r["pct_copy"] for r in panel]}
-        if all(r.get("x_bnb_kernel") for r in panel):
-            series["bitsandbytes kernel"] = [r["pct_copy"] / r["x_bnb_kernel"] for r in panel]
-        if all(r.get("x_bnb_full") for r in panel):
-            series["bitsandbytes (full call)"] = [r["pct_copy"] / r["x_bnb_full"] for r in panel]
+    panels = plot_panels(rows)
+    widest = max(len(names) for _, names, _ in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.32 * widest + 3), 5.5 * len(panels)), squeeze=False)
+    for ax, (title, names, series) in zip(axes[:, 0], panels, strict=True):
         width = 0.8 / len(series)
         for i, (label, values) in enumerate(series.items()):
-            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(panel))], values, width, label=label)
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(names))], values, width, label=label)
         ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(panel)), [r["case"] for r in panel], rotation=75, ha="right", fontsize=7)
+        ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
         ax.set_ylabel("% of same-run device-to-device copy bandwidth")
-        ax.set_title(f"{op_checks.CHECKS[kind].title}, GPU time per launch (cold L2)")
+        ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
