@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import harness
-from harness.correctness import call_battery, cases
+from harness.correctness import cases
 from harness.correctness.bitcompare import assert_bit_exact, poison_
+from harness.correctness.op_checks import dequantize_battery
 from harness.errors import InputError, KernelLaunchError
 from harness.runtime import dequantize, host_path, launcher
 
@@ -123,7 +124,7 @@ def _expect_rejected(call, match, monkeypatch, cuda, good, bnb):
     assert_bit_exact(got, bnb.dequantize_4bit(case.A, case.quant_state()))
 
 
-BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
+BAD = {name: (call, message) for name, call, message in dequantize_battery.bad_calls()}
 
 
 @pytest.mark.gpu
@@ -131,14 +132,14 @@ BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()
 def test_bad_input_raises_before_launch_and_gpu_stays_usable(cuda, bnb, good, monkeypatch, name):
     """The battery of tests/test_call_rules.py on GPU tensors: the compiled path declines or raises
     the Python path's error (it launches nothing), the Python path names the rule before its launch."""
-    call, message = next((c, m) for n, c, m in call_battery.bad_calls(cuda) if n == name)
+    call, message = next((c, m) for n, c, m in dequantize_battery.bad_calls(cuda) if n == name)
     entry = host_path.entry(dequantize.HOST).bound()
     assert entry, "the GPU sessions run with the compiled host path"
     try:
-        assert entry(*call_battery.positional(call)) is None, "the compiled path took a bad call"
+        assert entry(*dequantize_battery.positional(call)) is None, "the compiled path took a bad call"
     except InputError as e:
         assert re.search(re.escape(message), str(e)), str(e)
-    kwargs = call_battery.keywords(call)
+    kwargs = dequantize_battery.keywords(call)
     _expect_rejected(lambda: dequantize.dequantize_packed(**kwargs), re.escape(message), monkeypatch, cuda, good, bnb)
 
 

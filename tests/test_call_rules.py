@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from harness.correctness import call_battery
+from harness.correctness.op_checks import dequantize_battery, matmul_battery
 from harness.errors import InputError
 from harness.runtime import (
     dequantize,
@@ -35,9 +35,9 @@ from harness.runtime import (
 )
 from harness.runtime import recipe as recipes
 
-VALID = dict(call_battery.valid_calls())
-BAD = {name: (call, message) for name, call, message in call_battery.bad_calls()}
-MATMUL = dict(call_battery.matmul_calls())
+VALID = dict(dequantize_battery.valid_calls())
+BAD = {name: (call, message) for name, call, message in dequantize_battery.bad_calls()}
+MATMUL = dict(matmul_battery.calls())
 
 
 @contextlib.contextmanager
@@ -121,7 +121,7 @@ def _resolved(planned, described) -> tuple | None:
 
 def _python(call):
     with on_host():
-        return dequantize.python_form(*call_battery.positional(call), plan_of=_stand_in_plan)
+        return dequantize.python_form(*dequantize_battery.positional(call), plan_of=_stand_in_plan)
 
 
 @pytest.mark.parametrize("order", ["battery", "reversed"])
@@ -132,7 +132,7 @@ def test_both_paths_make_the_same_launch_for_every_valid_call_whatever_came_befo
     names = list(VALID) if order == "battery" else list(reversed(VALID))
     for name in names + names:  # the second round from the kept recipes only
         call = VALID[name]
-        compiled = _describe(module, entry, *call_battery.positional(call))
+        compiled = _describe(module, entry, *dequantize_battery.positional(call))
         assert compiled is not None, f"{name}: the compiled path declined a valid call"
         assert compiled == _resolved(_python(call), compiled), name
     assert module.signatures(entry) == len({_signature(VALID[n]) for n in names})
@@ -148,11 +148,11 @@ def _signature(call: dict) -> tuple:
             return ("tensor", v.dtype, tuple(v.shape), align)
         return ("float",) if isinstance(v, float) else (type(v).__name__, repr(v))
 
-    return tuple(part(v) for v in call_battery.positional(call))
+    return tuple(part(v) for v in dequantize_battery.positional(call))
 
 
 def test_the_battery_covers_both_tilings_both_store_paths_and_both_offset_forms(module, entry):
-    launches = [_describe(module, entry, *call_battery.positional(call))[2] for call in VALID.values()]
+    launches = [_describe(module, entry, *dequantize_battery.positional(call))[2] for call in VALID.values()]
     taken = [launch for launches_of_call in launches for launch in launches_of_call]
     labels = {_stand_ins[launch[0]].label for launch in taken}
     assert all(any(label.endswith(f"-t{t}-u{u}") for label in labels) for t, u in dequantize_kernel.TILINGS)
@@ -164,10 +164,10 @@ def test_the_battery_covers_both_tilings_both_store_paths_and_both_offset_forms(
 def test_a_bad_call_is_named_by_the_python_path_and_never_launched_by_the_compiled_path(module, entry, name):
     call, message = BAD[name]
     with on_host(), pytest.raises(InputError, match=_literal(message)):
-        dequantize.check_call(**call_battery.keywords(call))
+        dequantize.check_call(**dequantize_battery.keywords(call))
     # The compiled path asks the same checks (and raises what they raise) or declines before them.
     try:
-        got = _describe(module, entry, *call_battery.positional(call))
+        got = _describe(module, entry, *dequantize_battery.positional(call))
     except InputError as e:
         assert re.search(_literal(message), str(e)), str(e)
     else:
@@ -233,8 +233,8 @@ def _literal(message: str) -> str:
 
 
 def test_an_empty_call_launches_nothing_and_allocates_its_output(module, entry):
-    call = call_battery.make_call((0, 8), nested=False) | {"absmax": torch.ones(0)}
-    _out_ptr, workspace_ptr, launches = _describe(module, entry, *call_battery.positional(call))
+    call = dequantize_battery.make_call((0, 8), nested=False) | {"absmax": torch.ones(0)}
+    _out_ptr, workspace_ptr, launches = _describe(module, entry, *dequantize_battery.positional(call))
     assert launches == () and workspace_ptr == 0
     r, _args, _ = _python(call)
     assert r.launches == () and r.out == ((0, 8), torch.bfloat16)
@@ -333,7 +333,7 @@ def _python_matmul(call: dict, described, max_clusters: tuple[int, ...]):
     """The Python path's launches for a matmul call (``matmul.python_form``) as ``describe``
     answers; None where it does not fuse the call, would raise, or copies the result into ``out``
     or converts the offset (the compiled path declines those, leaving them to it)."""
-    args = call_battery.matmul_positional(call)
+    args = matmul_battery.positional(call)
     with on_host():
         try:
             planned = matmul.python_form(*args, plan_of=_stand_in_matmul_plan(max_clusters))
@@ -348,7 +348,7 @@ def _python_matmul(call: dict, described, max_clusters: tuple[int, ...]):
 def test_both_paths_fuse_the_same_matmul_calls_with_the_same_launches(module, matmul_entry, name):
     call, (entry, max_clusters) = MATMUL[name], matmul_entry
     try:
-        compiled = _describe(module, entry, *call_battery.matmul_positional(call))
+        compiled = _describe(module, entry, *matmul_battery.positional(call))
     except InputError:
         compiled = None  # the Python path raises it too (its decision runs the same weight checks)
     assert compiled == _python_matmul(call, compiled, max_clusters)
@@ -359,7 +359,7 @@ def test_the_matmul_battery_covers_every_token_tile_split_and_unsplit_k_and_both
     launches = {}
     for name, c in MATMUL.items():
         try:
-            launches[name] = _describe(module, entry, *call_battery.matmul_positional(c))
+            launches[name] = _describe(module, entry, *matmul_battery.positional(c))
         except InputError:
             launches[name] = None
     taken = [described[2] for described in launches.values() if described is not None]
@@ -460,11 +460,12 @@ def test_the_entry_hands_the_driver_what_describe_answers(module, op, name):
     the output and workspace addresses are the call's own, a given output is returned as it is."""
     if op == "dequantize":
         host, call = dequantize.HOST, VALID[name]
-        form, args = functools.partial(dequantize.compiled_form, plan_of=_stand_in_plan), call_battery.positional(call)
+        form = functools.partial(dequantize.compiled_form, plan_of=_stand_in_plan)
+        args = dequantize_battery.positional(call)
     else:
         host, call = matmul.HOST, MATMUL[name]
         form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(MAX_CLUSTERS))
-        args = call_battery.matmul_positional(call)
+        args = matmul_battery.positional(call)
     try:
         described = _describe(module, _bind(module, host, form), *args)
     except InputError:
@@ -496,8 +497,8 @@ def test_the_entry_hands_the_driver_what_describe_answers(module, op, name):
 
 def test_the_entry_declines_on_another_context_and_names_a_refused_launch(module):
     form = functools.partial(matmul.compiled_form, plan_of=_stand_in_matmul_plan(()))
-    call = call_battery.make_matmul_call((3,), N=200, K=4096, max_rows=1 << 62)
-    args = call_battery.matmul_positional(call)
+    call = matmul_battery.make_call((3,), N=200, K=4096, max_rows=1 << 62)
+    args = matmul_battery.positional(call)
     _, _, launches = _describe(module, _bind(module, matmul.HOST, form), *args)
     assert len(launches) == 2, "the case must launch the main kernel and the finish (K split)"
     elsewhere, refusing = _Driver(current=CONTEXT + 1), _Driver(fail_at=1)
