@@ -833,6 +833,22 @@ def test_bytecode_planted_beside_a_module_is_not_what_a_private_bytecode_directo
     assert run({"PYTHONPYCACHEPREFIX": worker_env["PYTHONPYCACHEPREFIX"]}) == "own"
 
 
+def test_a_measuring_process_loads_no_ops_call_module_of_the_judges():
+    """A call module registers its op's torch ops as it loads, and the first ``harness`` to register
+    them is the one every side's call through ``torch.ops`` reaches: the judge's modules a measuring
+    process loads before the sides (the worker, the stage and each op's checks) import none."""
+    probe = (
+        "import sys; from harness.perf import stage, worker; from harness.runtime import ops; "
+        "print(sorted(op.call_module for op in ops.OPS if op.call_module in sys.modules))"
+    )
+    from harness.perf.session import JUDGE_ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=JUDGE_ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
 def test_the_judge_imports_its_late_modules_before_any_side_runs():
     """Every module the judge's perf code, its ops' judge halves and its perf tests import inside a
     function (a first import during a session) is imported at its start

@@ -6,9 +6,10 @@ The same battery runs through the Python path (``dequantize.check_call``), the c
 implementation (``torch.compile``'s view) and, on a GPU, the public drop-in. A call is a dict of
 ``dequantize.dequantize_packed``'s arguments.
 
-Part of the op's judge half, apart from ``dequantize.py`` there: a battery imports the runtime it
-calls, and the judge half's staging is loaded into measuring processes, where only the sides'
-runtimes may be.
+Part of the op's judge half, apart from ``dequantize.py`` there: a battery imports the op's call
+module, which registers the op's torch ops as it loads, and the checks module is loaded into every
+measuring process, where the first ``harness`` to register them is the one both sides' calls would
+reach (tests/test_perf_logic.py holds the measuring process's judge modules off the call modules).
 """
 
 from __future__ import annotations
