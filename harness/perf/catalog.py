@@ -1,6 +1,6 @@
-"""The perf session's cases: every op's (``harness.correctness.op_checks``: each op's
-``perf_cases``) and the end-to-end step. The judge reads
-this list from the base revision.
+"""The perf session's cases: every op's (each op's ``perf_cases`` in
+``harness.correctness.op_checks``) and the end-to-end step. The judge reads this list from the base
+revision.
 """
 
 from __future__ import annotations
