@@ -1,6 +1,6 @@
 """The "which bitsandbytes path gains how much" report runs end to end and finds every patched
 path bit-identical to bitsandbytes and every fused matmul inside its bound (a quick run: M = 256,
-matmul M = 1 and 64, two rounds, no QLoRA step or generate)."""
+matmul M = 1 and 64, a decoder layer's sequence at M = 1, two rounds, no QLoRA step or generate)."""
 
 from __future__ import annotations
 
@@ -31,4 +31,8 @@ def test_quick_report_is_bit_identical_and_routes_each_layer_through_our_kernel(
     assert [(row["layer"].split()[0], row["M"]) for row in timed] == expected
     assert all(row["in bound"] and row["ours fused µs"] > 0 and row["roofline µs"] > 0 for row in timed)
     assert any(row["layer"].startswith("crossover M measured") for row in tables["matmul"])
+    sequence = [row for row in tables["sequence"] if "implementation" in row]
+    assert [(row["M"], row["implementation"]) for row in sequence] == [(1, "bitsandbytes"), (1, "ours fused")]
+    assert all(row["graph = eager"] and 0 < row["rooflines µs"] < row["graph µs"] for row in sequence)
+    assert sequence[-1]["bitsandbytes ÷ ours (graph)"] > 0
     assert "| layer" in (tmp_path / "bnb-paths.md").read_text()

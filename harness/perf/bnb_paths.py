@@ -19,6 +19,11 @@ Tables (printed, and written to DIR as bnb-paths.md and bnb-paths.json):
   matmul must move (packed weights, scale codes, second-level scales, activations, output) over
   the copy bandwidth measured in the same run. Each fused result is judged against the fp64
   reference's bound.
+- sequence: one decoder layer's seven 4-bit matmuls (Llama-3.3-70B's q, k, v, o, gate, up, down,
+  nf4 nested bf16) back to back at M = 1, 8, 16 rows, as a decode step runs them: bitsandbytes'
+  ``matmul_4bit`` and ours fused, each as the seven calls timed alone (summed), eagerly in sequence
+  and captured as one CUDA graph (a cold L2 before each), against the sum of the seven rooflines;
+  whether each graph's replay equals its eager sequence bit for bit.
 - generate: transformers ``generate`` (greedy, 64 new tokens after 32) on a 4-layer model at
   Llama-3.3-70B's sizes (vocabulary 4096, so the bf16 output layer weighs what it does beside 80
   layers), batch 1 and 8, tokens per second unpatched vs ``patch_bitsandbytes(matmul=True)``,
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -63,6 +69,12 @@ GENERATE_PROMPT, GENERATE_NEW = 32, 64
 HOST_CALLS = 2000
 MATMUL_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192), "k": (1024, 8192)}
 MATMUL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
+# A decoder layer's 4-bit weights [N, K] in the order a decode step multiplies them (Llama-3.3-70B).
+SEQUENCE_SHAPES = {
+    "q": (8192, 8192), "k": (1024, 8192), "v": (1024, 8192), "o": (8192, 8192),
+    "gate": (28672, 8192), "up": (28672, 8192), "down": (8192, 28672),
+}  # fmt: skip
+SEQUENCE_TOKENS = (1, 8, 16)
 # Kernel names the profiler attributes to 4-bit dequantization: bitsandbytes' blockwise decode
 # (the 8-bit absmax decode and the 4-bit one) and ours.
 DEQUANT_KERNELS = ("kDequantizeBlockwise", "dequantize_4bit_kernel")
@@ -343,6 +355,81 @@ def generate_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
         return rows
 
 
+def sequence_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=SEQUENCE_TOKENS) -> list[dict]:
+    """One row per row count and implementation: the layer's seven matmuls alone (summed), eagerly
+    in sequence and as one CUDA graph; the graphs timed in ABBA order."""
+    import bitsandbytes as bnb
+
+    from harness.correctness import cases
+    from harness.runtime import matmul
+
+    copy_gbps, copy = gpu_timer.copy_bandwidth(timer)
+    weights = [
+        cases.quantize_weights(shape, "nf4", 64, True, torch.bfloat16, seed=i, device=device)
+        for i, shape in enumerate(SEQUENCE_SHAPES.values())
+    ]
+    sides = {"bitsandbytes": bnb.matmul_4bit, "ours fused": matmul.fused_matmul}
+    rows = []
+    for m in tokens:
+        inputs = {K: torch.randn(m, K, device=device, dtype=torch.bfloat16) for _, K in SEQUENCE_SHAPES.values()}
+        roofline_us = sum(matmul_checks.matmul_bytes(N, K, m) for N, K in SEQUENCE_SHAPES.values()) / copy_gbps / 1e3
+        measured = {}
+        with torch.no_grad():
+            for side, fn in sides.items():
+                calls = [
+                    functools.partial(fn, inputs[K], B.t(), qs)
+                    for (B, qs), (_, K) in zip(weights, SEQUENCE_SHAPES.values(), strict=True)
+                ]
+
+                def sequence(calls=calls) -> list[torch.Tensor]:
+                    return [call() for call in calls]
+
+                eager = sequence()
+                graph, replayed = _captured(sequence, device)
+                graph.replay()
+                measured[side] = {
+                    "calls": calls,
+                    "graph": graph,
+                    "equal": all(torch.equal(int_view(a), int_view(b)) for a, b in zip(eager, replayed, strict=True)),
+                    "alone": sum(timer.measure(call).median_s for call in calls) * 1e6,
+                    "eager": timer.measure(sequence).median_s * 1e6,
+                }
+            graph_us = {side: [] for side in sides}
+            for side in ("bitsandbytes", "ours fused", "ours fused", "bitsandbytes"):
+                graph_us[side].append(timer.measure(measured[side]["graph"].replay).median_s * 1e6)
+        for side, r in measured.items():
+            graph = statistics.mean(graph_us[side])
+            rows.append(
+                {
+                    "M": m,
+                    "implementation": side,
+                    "seven alone µs": r["alone"],
+                    "eager sequence µs": r["eager"],
+                    "graph µs": graph,
+                    "rooflines µs": roofline_us,
+                    "graph ÷ rooflines": graph / roofline_us,
+                    "graph = eager": r["equal"],
+                }
+            )
+        rows[-1]["bitsandbytes ÷ ours (graph)"] = rows[-2]["graph µs"] / rows[-1]["graph µs"]
+    rows.append({"M": f"copy bandwidth {copy_gbps:.0f} GB/s (noise {copy.noise:.4f})"})
+    return rows
+
+
+def _captured(sequence: Callable[[], list[torch.Tensor]], device: torch.device):
+    """``sequence`` captured as a CUDA graph (warmed up on a side stream first, as capture asks),
+    and the outputs its replays write."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        sequence()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = sequence()
+    return graph, outputs
+
+
 def graphed_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
     """The generate table's decode with the host out of the step (``graphed_decode``): one CUDA
     graph per mode, each replayed ``GENERATE_NEW`` times a round; and whether the matmul mode's
@@ -524,7 +611,7 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-TABLES = ("dequantize", "host", "layers", "matmul", "generate", "graphed", "compiled", "qlora")
+TABLES = ("dequantize", "host", "layers", "matmul", "sequence", "generate", "graphed", "compiled", "qlora")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -546,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": lambda: host_rows(timer, device),
         "layers": lambda: layer_rows(timer, device, (256,) if args.quick else TOKENS, rounds),
         "matmul": lambda: matmul_rows(timer, device, (1, 64) if args.quick else MATMUL_TOKENS),
+        "sequence": lambda: sequence_rows(timer, device, (1,) if args.quick else SEQUENCE_TOKENS),
         "generate": lambda: generate_rows(rounds),
         "graphed": lambda: graphed_rows(rounds),
         "compiled": lambda: compiled_rows(rounds),
