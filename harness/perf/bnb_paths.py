@@ -388,7 +388,6 @@ def sequence_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=SEQ
                 graph, replayed = _captured(sequence, device)
                 graph.replay()
                 measured[side] = {
-                    "calls": calls,
                     "graph": graph,
                     "equal": all(torch.equal(int_view(a), int_view(b)) for a, b in zip(eager, replayed, strict=True)),
                     "alone": sum(timer.measure(call).median_s for call in calls) * 1e6,
