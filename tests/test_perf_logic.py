@@ -154,8 +154,8 @@ def test_size_classes_cover_every_case():
 # -- stored baselines -------------------------------------------------------------------------
 
 
-def _record(values: dict[str, float], numel=200_000_000) -> dict:
-    return baseline.session_record(GPU, {"torch": "2.11"}, values, dict.fromkeys(values, numel))
+def _record(values: dict[str, float], numel=200_000_000, floor=None) -> dict:
+    return baseline.session_record(GPU, {"torch": "2.11"}, values, dict.fromkeys(values, numel), floor)
 
 
 def test_rounding():
@@ -200,6 +200,63 @@ def test_drift_tolerance_and_check(tmp_path):
     rows = baseline.check_drift(stored, {"a": 200 * (1 + LARGE.drift_floor * 1.2), "b": 105.0, "c": 1.0})
     assert {c: r.status for c, r in rows.items()} == {"a": "DRIFTED", "b": "OK", "c": "MISSING"}
     assert baseline.check_drift(stored, {"a": 150.0})["a"].status == "STALE"
+
+
+# Two hosts of one H100 model, the same code (kernels/NOTES.md, "The drift guard across hosts"):
+# the timer's empty interval and three cases' medians, µs.
+ONE_HOST = {"floor": 1.248, "k dequantize": 9.152, "k matmul": 9.632, "gate matmul": 54.62}
+OTHER_HOST = {"floor": 2.912, "k dequantize": 10.91, "k matmul": 11.30, "gate matmul": 56.00}
+NUMELS = {"k dequantize": 8_388_608, "k matmul": 8_388_608, "gate matmul": 234_881_024}
+
+
+def _host_record(host: dict) -> dict:
+    times = {c: host[c] for c in NUMELS}
+    return baseline.session_record(GPU, {"torch": "2.11"}, times, NUMELS, host["floor"])
+
+
+def test_the_drift_check_moves_the_stored_times_by_the_difference_in_the_timers_floor(tmp_path):
+    """Unchanged code timed on a host whose timer adds 1.66 µs more to every launch: red as
+    measured (2.5% on the 55 µs call), green once the stored times move by the floors' difference; a real
+    slowdown past the tolerance still shows."""
+    baseline.save([_host_record(ONE_HOST)], tmp_path)
+    stored, _ = baseline.load(GPU, tmp_path)
+    assert stored.timer_floor_us == ONE_HOST["floor"]
+    times = {c: OTHER_HOST[c] for c in NUMELS}
+    assert {r.status for r in baseline.check_drift(stored, times).values()} == {"DRIFTED"}
+    moved = baseline.check_drift(stored, times, OTHER_HOST["floor"])
+    assert {r.status for r in moved.values()} == {"OK"}
+    assert moved["k matmul"].baseline_us == pytest.approx(9.63 + OTHER_HOST["floor"] - ONE_HOST["floor"])
+    slower = baseline.check_drift(stored, {"k matmul": OTHER_HOST["k matmul"] * 1.12}, OTHER_HOST["floor"])
+    assert slower["k matmul"].status == "DRIFTED"
+    assert "moved by +1.66 µs" in baseline.floor_line(stored, OTHER_HOST["floor"])
+    assert "compared as measured" in baseline.floor_line(stored, None)
+
+
+def test_records_from_another_host_merge_onto_the_files_timer_floor(tmp_path):
+    """Re-recording unchanged code on a host with another floor rewrites no line; records of two
+    hosts combine onto their common floor."""
+    path = baseline.save([_host_record(ONE_HOST)], tmp_path)
+    text = path.read_text()
+    baseline.save([_host_record(OTHER_HOST)], tmp_path)
+    assert path.read_text() == text
+    both = tmp_path / "both"
+    stored_path = baseline.save([_host_record(ONE_HOST), _host_record(OTHER_HOST)], both)
+    data = json.loads(stored_path.read_text())
+    middle = (ONE_HOST["floor"] + OTHER_HOST["floor"]) / 2
+    assert data["timer_floor_us"] == pytest.approx(middle, abs=1e-3)
+    # Each host's time moved onto the middle floor: the two agree within 0.1 µs, so the spread stays small.
+    assert data["cases"]["k matmul"]["spread"] <= 0.01
+
+
+def test_a_file_without_a_floor_is_compared_as_measured_and_gains_one_when_re_recorded(tmp_path):
+    path = baseline.save([_record({"a": 200.0})], tmp_path)
+    assert "timer_floor_us" not in json.loads(path.read_text())
+    stored, _ = baseline.load(GPU, tmp_path)
+    assert baseline.check_drift(stored, {"a": 200.0}, 2.9)["a"].baseline_us == 200.0
+    assert "none stored" in baseline.floor_line(stored, 2.9)
+    baseline.save([_record({"a": 200.4}, floor=1.25)], tmp_path)
+    data = json.loads(path.read_text())
+    assert data["timer_floor_us"] == 1.25 and data["cases"]["a"]["us"] == 200.0  # the entry kept as it was
 
 
 def test_missing_or_foreign_baseline_is_one_clear_line(tmp_path):

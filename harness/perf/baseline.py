@@ -7,12 +7,20 @@ derived from how much that value moved between the sessions (machines) it was re
 
 ``baselines/<gpu-slug>.json``:
 
-    {"schema": 2, "gpu": {...}, "sessions": N, "cases": {case: {"us": ..., "spread": ...}}}
+    {"schema": 2, "gpu": {...}, "sessions": N, "timer_floor_us": F, "cases": {case: {"us": ..., "spread": ...}}}
 
 ``us`` is the median over sessions of each session's median GPU time, rounded to three
 significant digits; ``spread`` the largest relative distance of a session from it, rounded up to
 0.1%. Re-recording keeps an entry whose value moved by less than the case's threshold (and whose
 spread did not grow), so re-recording unchanged code rewrites no line.
+
+``timer_floor_us`` is what the sessions' timer read for a launch of nothing
+(``gpu_timer.empty_interval_us``). Every timed launch carries it, and it is a property of the host,
+not of the GPU model: one H100 host read 1.25 µs, another 2.94, and every case there measured
+1.3-1.8 µs slower (kernels/NOTES.md, "The drift guard across hosts"). So the check compares each
+time with its entry moved by the difference between the session's floor and the file's, and
+records from another host are moved onto the file's floor before they are merged. A file without
+one (recorded before it was kept) is compared as measured.
 
 A session writes a *record* (``session_record``); ``python -m harness.perf.baseline RECORD...``
 combines records from several sessions, on several machines where available, into the file.
@@ -53,6 +61,7 @@ class Baseline:
     gpu: dict
     sessions: int
     cases: dict[str, Entry]
+    timer_floor_us: float | None = None  # None: not recorded
 
 
 def round_us(us: float) -> float:
@@ -96,21 +105,35 @@ def load(gpu: dict, directory: Path) -> tuple[Baseline | None, str]:
         f"{k} was {data['gpu'].get(k)}, now {gpu.get(k)}" for k in GPU_KEYS[1:] if data["gpu"].get(k) != gpu.get(k)
     )
     line = f"drift check: against {path.name} ({data['sessions']} sessions)" + (f"; {note}" if note else "")
-    return Baseline(path, data["gpu"], data["sessions"], cases), line
+    return Baseline(path, data["gpu"], data["sessions"], cases, data.get("timer_floor_us")), line
 
 
-def session_record(gpu: dict, software: dict, medians_us: Mapping[str, float], numels: Mapping[str, int]) -> dict:
-    """What one session contributes to a baseline: its per-case median GPU times."""
+def session_record(
+    gpu: dict,
+    software: dict,
+    medians_us: Mapping[str, float],
+    numels: Mapping[str, int],
+    timer_floor_us: float | None = None,
+) -> dict:
+    """What one session contributes to a baseline: its per-case median GPU times and its timer's floor."""
     return {
         "schema": SCHEMA,
         "gpu": {k: gpu.get(k) for k in (*GPU_KEYS, "slug", "uuid")},
         "software": software,
+        "timer_floor_us": timer_floor_us,
         "cases": {c: {"us": medians_us[c], "numel": numels[c]} for c in sorted(medians_us)},
     }
 
 
+def floor_of(records: list[dict]) -> float | None:
+    """The records' timer floor (the median of theirs), None where one has none."""
+    floors = [r.get("timer_floor_us") for r in records]
+    return None if not floors or None in floors else statistics.median(floors)
+
+
 def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
-    """(gpu, sessions, entries) from session records of one GPU model; a case must be in all."""
+    """(gpu, sessions, entries) from session records of one GPU model; a case must be in all.
+    Each session's times are moved onto the records' common floor (``floor_of``) first."""
     records = list(records)
     if not records:
         raise ValueError("no session records to combine")
@@ -118,9 +141,11 @@ def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
     if len(names) != 1:
         raise ValueError(f"records from different GPU models cannot be combined: {sorted(names)}")
     common = set.intersection(*(set(r["cases"]) for r in records))
+    floor = floor_of(records)
+    shifts = [0.0 if floor is None else floor - r["timer_floor_us"] for r in records]
     entries = {}
     for case in sorted(common):
-        values = [r["cases"][case]["us"] for r in records]
+        values = [r["cases"][case]["us"] + shift for r, shift in zip(records, shifts, strict=True)]
         entries[case] = Entry(
             round_us(statistics.median(values)),
             round_spread(relative_spread(values)),
@@ -142,9 +167,11 @@ def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry
     return dict(sorted(out.items()))
 
 
-def render(gpu: dict, sessions: int, entries: Mapping[str, Entry]) -> str:
+def render(gpu: dict, sessions: int, entries: Mapping[str, Entry], timer_floor_us: float | None = None) -> str:
     """The file's text: one case per line, so a changed value is a one-line diff."""
     head = {"schema": SCHEMA, "gpu": {k: gpu.get(k) for k in GPU_KEYS}, "sessions": sessions}
+    if timer_floor_us is not None:
+        head["timer_floor_us"] = round(timer_floor_us, 3)
     lines = [json.dumps(head, indent=1)[:-2] + ",", ' "cases": {']
     items = list(entries.items())
     for i, (case, e) in enumerate(items):
@@ -156,28 +183,36 @@ def render(gpu: dict, sessions: int, entries: Mapping[str, Entry]) -> str:
 
 def save(records: Iterable[dict], directory: Path) -> Path:
     """Combine session records and merge them into this GPU model's baseline file; a file whose
-    entries all survive the merge is left untouched."""
+    entries all survive the merge is left untouched. Where the file has a timer floor, the new
+    times are moved onto it (a record from another host merges as if timed on the file's);
+    where it has none, the records' floor becomes the file's."""
+    records = list(records)
     gpu, sessions, entries = combine(records)
+    floor = floor_of(records)
     path = path_for(gpu, directory)
     old: dict[str, Entry] = {}
+    old_floor = None
     if path.exists():
         data = json.loads(path.read_text())
         if data.get("schema") == SCHEMA:
-            old = _entries(data)
+            old, old_floor = _entries(data), data.get("timer_floor_us")
+    if old_floor is not None and floor is not None:
+        entries = {c: Entry(round_us(e.us + old_floor - floor), e.spread, e.numel) for c, e in entries.items()}
+    floor = old_floor if old_floor is not None else floor
     merged = merge(old, entries)
     if any(merged[case] == entry for case, entry in old.items()):
         # One count for the file: the fewest sessions any of its entries stands on.
         sessions = min(sessions, data["sessions"])
-    if merged != old or not path.exists():
+    if merged != old or floor != old_floor or not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(render(gpu, sessions, merged))
+        path.write_text(render(gpu, sessions, merged, floor))
     return path
 
 
 @dataclass(frozen=True)
 class DriftRow:
     case: str
-    baseline_us: float | None
+    baseline_us: float | None  # the stored value, moved onto this session's timer floor
     measured_us: float
     tolerance: float | None
     status: str  # OK, DRIFTED (slower past tolerance), STALE (faster past it), MISSING
@@ -187,19 +222,44 @@ class DriftRow:
         return None if self.baseline_us is None else self.measured_us / self.baseline_us - 1
 
 
-def check_drift(baseline: Baseline, measured_us: Mapping[str, float]) -> dict[str, DriftRow]:
-    """Each measured case against its pinned value and tolerance."""
+def floor_shift_us(baseline: Baseline, timer_floor_us: float | None) -> float | None:
+    """What this session's timer adds to every launch beyond what the baseline's did (None: one of
+    the two floors is unknown, and times are compared as measured)."""
+    if baseline.timer_floor_us is None or timer_floor_us is None:
+        return None
+    return timer_floor_us - baseline.timer_floor_us
+
+
+def check_drift(
+    baseline: Baseline, measured_us: Mapping[str, float], timer_floor_us: float | None = None
+) -> dict[str, DriftRow]:
+    """Each measured case against its pinned value, moved by the difference between this
+    session's timer floor and the baseline's (``floor_shift_us``), and its tolerance."""
+    shift = floor_shift_us(baseline, timer_floor_us) or 0.0
     rows = {}
     for case, us in measured_us.items():
         entry = baseline.cases.get(case)
         if entry is None:
             rows[case] = DriftRow(case, None, us, None, "MISSING")
             continue
-        tol = entry.tolerance()
-        change = us / entry.us - 1
+        tol, expected = entry.tolerance(), entry.us + shift
+        change = us / expected - 1
         status = "DRIFTED" if change > tol else "STALE" if change < -tol else "OK"
-        rows[case] = DriftRow(case, entry.us, us, tol, status)
+        rows[case] = DriftRow(case, expected, us, tol, status)
     return rows
+
+
+def floor_line(baseline: Baseline, timer_floor_us: float | None) -> str:
+    """The drift line's clause on the timer floor."""
+    if timer_floor_us is None:
+        return "this session's timer floor not measured: compared as measured"
+    shift = floor_shift_us(baseline, timer_floor_us)
+    if shift is None:
+        return f"timer floor {timer_floor_us:.2f} µs, none stored (re-record to keep one): compared as measured"
+    return (
+        f"timer floor {timer_floor_us:.2f} µs, {baseline.timer_floor_us:.2f} when recorded: "
+        f"each stored time moved by {shift:+.2f} µs"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,6 +287,14 @@ class ColdL2Timer:
         return Measurement(kept, discarded, clocks)
 
 
+def empty_interval_us(timer: ColdL2Timer) -> float:
+    """The timer's reading, in µs, for a launch of nothing: its two events back to back behind the
+    hold and the flush. Every sample carries it, and it belongs to the host: on two hosts of one H100
+    model it read 1.25 and 2.94 µs, and every timed call there differed by about as much
+    (kernels/NOTES.md, "The drift guard across hosts")."""
+    return timer.measure(lambda: None).median_s * 1e6
+
+
 def copy_bandwidth(timer: ColdL2Timer, nbytes: int = 1 << 30) -> tuple[float, Measurement]:
     """Device-to-device copy of ``nbytes`` by the timer's method: the memory roofline a kernel's
     bytes are divided by, in GB/s counting bytes read and written, and the measurement it is from."""

@@ -198,6 +198,8 @@ class PerfSession:
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)  # the references' and the copy's
         self.copy_gbps, _ = gpu_timer.copy_bandwidth(self.timer)
+        # Compared with the stored baseline's: what this host's timer adds to every launch.
+        self.timer_floor_us = gpu_timer.empty_interval_us(self.timer)
         # The judge's files before any of the candidate's code runs (checked again by ``close``); from
         # here the judge imports nothing for the first time, and no bytecode from its checkout.
         import_late_modules()
@@ -361,7 +363,9 @@ class PerfSession:
     def record(self) -> dict:
         """This session's contribution to a stored baseline."""
         numels = {cid: r.case.numel for cid, r in self.kernel.items()}
-        return baseline.session_record(self.gpu, gpu_info.software_versions(), self.medians_us(), numels)
+        return baseline.session_record(
+            self.gpu, gpu_info.software_versions(), self.medians_us(), numels, self.timer_floor_us
+        )
 
     def describe_sides(self) -> list[str]:
         lines = [f"candidate: {sides.describe(self.candidate_root)}"]

@@ -106,9 +106,10 @@ def pytest_sessionfinish(session, exitstatus):
     else:
         stored, drift_line = baseline.load(perf.gpu, directory)
         if stored is not None:
-            drift = baseline.check_drift(stored, perf.medians_us())
+            drift = baseline.check_drift(stored, perf.medians_us(), perf.timer_floor_us)
             counted = {s: sum(r.status == s for r in drift.values()) for s in ("OK", "DRIFTED", "STALE", "MISSING")}
-            drift_line += ": " + ", ".join(f"{k} {v}" for k, v in counted.items() if v)
+            drift_line += f"; {baseline.floor_line(stored, perf.timer_floor_us)}: "
+            drift_line += ", ".join(f"{k} {v}" for k, v in counted.items() if v)
     drifted = sum(r.status == "DRIFTED" for r in drift.values())
     differing = sum(r.outputs_agree is False for r in perf.kernel.values())
     status = gate.exit_status(
