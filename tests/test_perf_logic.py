@@ -677,11 +677,11 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
 def test_gate_rates_summary():
     from tests.perf import gate_rates
 
-    def session(status, verdicts):
+    def session(status, verdicts, drift="OK"):
         cases = {
-            "big-fp16": {"class": "large", "verdict": verdicts[0], "ratio": 1.02},
-            "big-fp32-x": {"class": "large", "verdict": verdicts[1], "ratio": 1.0},
-            "tiny-fp16": {"class": "small", "verdict": verdicts[2], "ratio": 1.02},
+            "big-fp16": {"class": "large", "verdict": verdicts[0], "ratio": 1.02, "drift": "OK"},
+            "big-fp32-x": {"class": "large", "verdict": verdicts[1], "ratio": 1.0, "drift": "OK"},
+            "tiny-fp16": {"class": "small", "verdict": verdicts[2], "ratio": 1.02, "drift": drift},
         }
         return {"status": status, "wall_s": 10.0, "cases": cases}
 
@@ -696,6 +696,11 @@ def test_gate_rates_summary():
     assert rows["red"] == 2 and rows["every large SLOWER"] == 2 and rows["every case SLOWER"] == 1
     fp32 = gate_rates.summarize("fp32:0.1", [session(1, ["SAME", "SLOWER", "SAME"])])
     assert fp32["only fp32 SLOWER"] == 1
+    # Unchanged code red by the stored baseline alone (a host whose timer reads higher, before the
+    # drift check moved by the timer's floor): the table says so, not only "red".
+    aa = gate_rates.summarize("aa", [session(1, ["SAME"] * 3, drift="DRIFTED"), session(0, ["SAME"] * 3)])
+    assert aa["red"] == 1 and aa["with a case DRIFTED"] == 1 and aa["SLOWER cases (all sessions)"] == 0
+    assert rows["with a case DRIFTED"] == 0
 
 
 def test_stop_and_throttle_rules():

@@ -79,6 +79,8 @@ def summarize(scenario: str, sessions: list[dict]) -> dict:
         "sessions": len(sessions),
         "red": sum(s["status"] != 0 for s in sessions),
         "undecided": sum(s["status"] == 6 for s in sessions),
+        # Red by the stored baseline rather than by the A/B (a session can be both).
+        "with a case DRIFTED": sum(any(v.get("drift") == "DRIFTED" for v in s["cases"].values()) for s in sessions),
         "cases per session": statistics.median(len(k) for k in kernel) if kernel else 0,
         "SLOWER cases (all sessions)": sum(len(s) for s in slower),
         "every large SLOWER": sum(bool(lg) and lg <= sl for lg, sl in zip(large, slower, strict=True)),
