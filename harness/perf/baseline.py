@@ -17,7 +17,7 @@ spread did not grow), so re-recording unchanged code rewrites no line.
 ``timer_floor_us`` is what the sessions' timer read for a launch of nothing
 (``gpu_timer.empty_interval_us``). Every timed launch carries it, and it is a property of the host,
 not of the GPU model: one H100 host read 1.25 µs, another 2.94, and every case there measured
-1.3-1.8 µs slower (kernels/NOTES.md, "The drift guard across hosts"). So the check compares each
+1.3-2.3 µs slower (kernels/NOTES.md, "The drift guard across hosts"). So the check compares each
 time with its entry moved by the difference between the session's floor and the file's, and
 records from another host are moved onto the file's floor before they are merged. A file without
 one (recorded before it was kept) is compared as measured.
