@@ -701,6 +701,25 @@ def test_gate_rates_summary():
     aa = gate_rates.summarize("aa", [session(1, ["SAME"] * 3, drift="DRIFTED"), session(0, ["SAME"] * 3)])
     assert aa["red"] == 1 and aa["with a case DRIFTED"] == 1 and aa["SLOWER cases (all sessions)"] == 0
     assert rows["with a case DRIFTED"] == 0
+    # The counts as rates: unchanged code's false alarms at most, a plant's detections at least.
+    assert aa["red rate, 95% bound"] == "≤ 97%" and rows["red rate, 95% bound"] == "≥ 14%"
+
+
+def test_a_count_of_sessions_bounds_the_gates_rate_as_clopper_pearson_does():
+    """0 of 6 false alarms bounds the rate under 39%, 10 of 10 detections over 74% (kernels/NOTES.md);
+    the bounds hold at their confidence: over many simulated counts of a known rate, the upper bound
+    falls under it in at most 5% of them."""
+    from harness.perf.stats import rate_bounds
+
+    assert rate_bounds(0, 6)[1] == pytest.approx(1 - 0.05 ** (1 / 6)) and rate_bounds(0, 6)[0] == 0.0
+    assert rate_bounds(10, 10)[0] == pytest.approx(0.05 ** (1 / 10)) and rate_bounds(10, 10)[1] == 1.0
+    lower, upper = rate_bounds(3, 10)
+    assert lower < 0.3 < upper
+    rng = random.Random(7)
+    missed = sum(rate_bounds(sum(rng.random() < 0.2 for _ in range(12)), 12)[1] < 0.2 for _ in range(2000))
+    assert missed <= 0.05 * 2000
+    with pytest.raises(ValueError):
+        rate_bounds(3, 2)
 
 
 def test_stop_and_throttle_rules():

@@ -89,3 +89,16 @@ def relative_spread(values: Sequence[float]) -> float:
         return 0.0
     mid = statistics.median(values)
     return max(abs(v / mid - 1) for v in values)
+
+
+def rate_bounds(hits: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """One-sided Clopper-Pearson bounds (lower, upper) on a rate seen as ``hits`` of ``trials``,
+    each holding at ``confidence``: what a count of gate sessions says about the gate's rate (for
+    unchanged code the upper bound on its false alarms, for a planted slowdown the lower bound on
+    its detections)."""
+    if not 0 <= hits <= trials or trials == 0:
+        raise ValueError(f"{hits} hits of {trials} trials")
+    alpha = 1 - confidence
+    lower = 0.0 if hits == 0 else float(_scipy_stats.beta.ppf(alpha, hits, trials - hits + 1))
+    upper = 1.0 if hits == trials else float(_scipy_stats.beta.ppf(confidence, hits + 1, trials - hits))
+    return lower, upper

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness.perf.stats import rate_bounds
+
 from . import planted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +69,15 @@ def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None, isolat
     return {"status": status, "wall_s": time.perf_counter() - t0, "cases": cases, "gpu": gpu}
 
 
+def _bound(scenario: str, red: int, sessions: int) -> str:
+    """What the count says about the rate: for unchanged code the most its false alarms could be,
+    for a planted slowdown the least its detections could be (one-sided, 95%)."""
+    if not sessions:
+        return "—"
+    lower, upper = rate_bounds(red, sessions)
+    return f"≤ {upper:.0%}" if scenario == "aa" else f"≥ {lower:.0%}"
+
+
 def summarize(scenario: str, sessions: list[dict]) -> dict:
     """Rates over the sessions of one scenario."""
     slower = [{c for c, v in s["cases"].items() if v.get("verdict") == "SLOWER"} for s in sessions]
@@ -77,7 +88,8 @@ def summarize(scenario: str, sessions: list[dict]) -> dict:
     return {
         "scenario": scenario,
         "sessions": len(sessions),
-        "red": sum(s["status"] != 0 for s in sessions),
+        "red": (red := sum(s["status"] != 0 for s in sessions)),
+        "red rate, 95% bound": _bound(scenario, red, len(sessions)),
         "undecided": sum(s["status"] == 6 for s in sessions),
         # Red by the stored baseline rather than by the A/B (a session can be both).
         "with a case DRIFTED": sum(any(v.get("drift") == "DRIFTED" for v in s["cases"].values()) for s in sessions),
