@@ -131,9 +131,10 @@ def floor_of(records: list[dict]) -> float | None:
     return None if not floors or None in floors else statistics.median(floors)
 
 
-def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
-    """(gpu, sessions, entries) from session records of one GPU model; a case must be in all.
-    Each session's times are moved onto the records' common floor (``floor_of``) first."""
+def combine(records: Iterable[dict], floor: float | None = None) -> tuple[dict, int, dict[str, Entry], float | None]:
+    """(gpu, sessions, entries, their timer floor) from session records of one GPU model; a case
+    must be in all. Where every record has a floor, each session's times are moved onto ``floor``
+    (default: the records' own, ``floor_of``) first; else they are taken as measured (floor None)."""
     records = list(records)
     if not records:
         raise ValueError("no session records to combine")
@@ -141,7 +142,8 @@ def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
     if len(names) != 1:
         raise ValueError(f"records from different GPU models cannot be combined: {sorted(names)}")
     common = set.intersection(*(set(r["cases"]) for r in records))
-    floor = floor_of(records)
+    own = floor_of(records)
+    floor = None if own is None else own if floor is None else floor
     shifts = [0.0 if floor is None else floor - r["timer_floor_us"] for r in records]
     entries = {}
     for case in sorted(common):
@@ -151,7 +153,7 @@ def combine(records: Iterable[dict]) -> tuple[dict, int, dict[str, Entry]]:
             round_spread(relative_spread(values)),
             records[0]["cases"][case]["numel"],
         )
-    return records[-1]["gpu"], len(records), entries
+    return records[-1]["gpu"], len(records), entries, floor
 
 
 def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry]:
@@ -187,17 +189,14 @@ def save(records: Iterable[dict], directory: Path) -> Path:
     times are moved onto it (a record from another host merges as if timed on the file's);
     where it has none, the records' floor becomes the file's."""
     records = list(records)
-    gpu, sessions, entries = combine(records)
-    floor = floor_of(records)
-    path = path_for(gpu, directory)
+    path = path_for(records[-1]["gpu"], directory) if records else None
     old: dict[str, Entry] = {}
     old_floor = None
-    if path.exists():
+    if path is not None and path.exists():
         data = json.loads(path.read_text())
         if data.get("schema") == SCHEMA:
             old, old_floor = _entries(data), data.get("timer_floor_us")
-    if old_floor is not None and floor is not None:
-        entries = {c: Entry(round_us(e.us + old_floor - floor), e.spread, e.numel) for c, e in entries.items()}
+    gpu, sessions, entries, floor = combine(records, old_floor)
     floor = old_floor if old_floor is not None else floor
     merged = merge(old, entries)
     if any(merged[case] == entry for case, entry in old.items()):
