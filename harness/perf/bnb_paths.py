@@ -54,7 +54,7 @@ import torch
 
 from harness.correctness.bitcompare import int_view
 from harness.correctness.op_checks import matmul as matmul_checks
-from harness.perf import gpu_info, gpu_timer
+from harness.perf import gpu_info, gpu_timer, graphed_decode
 from harness.runtime import patch
 
 LAYER_SHAPES = {"gate": (28672, 8192), "o": (8192, 8192)}
@@ -385,7 +385,7 @@ def sequence_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=SEQ
                     return [call() for call in calls]
 
                 eager = sequence()
-                graph, replayed = _captured(sequence, device)
+                graph, replayed = graphed_decode.capture(sequence, device)
                 graph.replay()
                 measured[side] = {
                     "graph": graph,
@@ -415,34 +415,19 @@ def sequence_rows(timer: gpu_timer.ColdL2Timer, device: torch.device, tokens=SEQ
     return rows
 
 
-def _captured(sequence: Callable[[], list[torch.Tensor]], device: torch.device):
-    """``sequence`` captured as a CUDA graph (warmed up on a side stream first, as capture asks),
-    and the outputs its replays write."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        sequence()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = sequence()
-    return graph, outputs
-
-
 def graphed_rows(rounds: int, batches=GENERATE_BATCHES) -> list[dict]:
     """The generate table's decode with the host out of the step (``graphed_decode``): one CUDA
     graph per mode, each replayed ``GENERATE_NEW`` times a round; and whether the matmul mode's
     replays give the tokens its eager steps give (the capture kept every launch's arguments)."""
     from harness.correctness import qlora
-    from harness.perf.graphed_decode import GraphedDecode
 
     with _decode_model() as model:
         rows = []
         for batch in batches:
             ids = qlora.random_tokens(model.config.vocab_size, batch, GENERATE_PROMPT, seed=batch)
-            decoders = {False: GraphedDecode(model, ids, GENERATE_NEW)}
+            decoders = {False: graphed_decode.GraphedDecode(model, ids, GENERATE_NEW)}
             with patch.bitsandbytes_patched(matmul=True):
-                decoders[True] = GraphedDecode(model, ids, GENERATE_NEW)
+                decoders[True] = graphed_decode.GraphedDecode(model, ids, GENERATE_NEW)
                 eager = decoders[True].run(graphed=False)
             fused, unpatched = decoders[True].run(), decoders[False].run()
             row = interleaved(

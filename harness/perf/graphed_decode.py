@@ -12,8 +12,31 @@ tokens with no host work but the replays. Whatever path each 4-bit matmul takes 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def capture(
+    run: Callable[[], T], device: torch.device, warmups: int = 1, before_capture: Callable[[], object] = lambda: None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``run`` captured as a CUDA graph, after ``warmups`` eager calls on a side stream (torch.cuda.graph's
+    rule: warm up off the capturing stream) and then ``before_capture``; with what the captured call
+    returned (the buffers every replay writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = run()
+    return graph, result
 
 
 def static_cache(model: torch.nn.Module, batch: int, length: int):
@@ -61,16 +84,7 @@ class GraphedDecode:
         self.slots = torch.arange(self.prompt + new_tokens, device=device)
         self.open = torch.zeros((), dtype=model.dtype, device=device)
         self.closed = torch.full((), torch.finfo(model.dtype).min, dtype=model.dtype, device=device)
-        side = torch.cuda.Stream(device)  # torch.cuda.graph's rule: warm up off the capturing stream
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self.WARMUP_STEPS):
-                self.step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.reset()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        self.graph, _ = capture(self.step, device, self.WARMUP_STEPS, self.reset)
         self.reset()
 
     def step(self) -> None:
