@@ -142,8 +142,10 @@ def combine(records: Iterable[dict], floor: float | None = None) -> tuple[dict, 
     if len(names) != 1:
         raise ValueError(f"records from different GPU models cannot be combined: {sorted(names)}")
     common = set.intersection(*(set(r["cases"]) for r in records))
-    own = floor_of(records)
-    floor = None if own is None else own if floor is None else floor
+    if (own := floor_of(records)) is None:
+        floor = None  # a record without a floor: every time taken as measured
+    elif floor is None:
+        floor = own
     shifts = [0.0 if floor is None else floor - r["timer_floor_us"] for r in records]
     entries = {}
     for case in sorted(common):
