@@ -38,6 +38,17 @@
 #if MM_TOKENS != 8 && MM_TOKENS != 16
 #error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8 or 16 (more: the wide-tile kernels)"
 #endif
+// MM_FEW_ROWS (the build the host picks for calls of at most that many rows, one token tile): only the
+// lanes of token rows below it read activations, the others multiply zeros into outputs that are
+// never stored. At one row the tile's LDS.128 then take one wavefront instead of four, a fifth of
+// the L1 unit's work, which paces this kernel at one row on an H200 (kernels/NOTES.md); at 5-8 rows
+// every lane is live and the predicate only costs the schedule, so that build keeps today's code.
+#ifndef MM_FEW_ROWS
+#define MM_FEW_ROWS 0
+#endif
+#if MM_FEW_ROWS && (MM_TOKENS != 8 || MM_FEW_ROWS > 8)
+#error "MM_FEW_ROWS is a build of the one-tile kernel (MM_TOKENS 8) for at most 8 rows"
+#endif
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower). NOTES.
 #define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : 3)
@@ -293,6 +304,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
     }
     if (!kTail && more) load_scales<kChunk, kNextInside>(w, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     const int quad = NT8 == 1 ? fresh_tid() & 0x1c : ln.act_row << 2;  // the feature pair's first lane, g * 4
+    const bool act_live = !MM_FEW_ROWS || quad < 4 * MM_FEW_ROWS;  // a lane of a row the build reads
 #pragma unroll
     for (int c = 0; c < S::chunks; ++c) {
         if (kTail && step * STEP_K + c * kChunk >= K) break;
@@ -313,7 +325,8 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
             uint4 act[NT8];  // piece v of the run in each token tile's row g
 #pragma unroll
             for (int i = 0; i < NT8; ++i)
-                act[i] = tile[act_slot<kChunk>(ln.act_row + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)];
+                act[i] = act_live ? tile[act_slot<kChunk>(ln.act_row + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)]
+                                  : make_uint4(0u, 0u, 0u, 0u);
             const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
             const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
             const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};

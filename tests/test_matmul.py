@@ -50,6 +50,27 @@ def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
     ]
 
 
+def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_only():
+    few = matmul_kernel.FEW_ROWS
+    calls = itertools.product(matmul_kernel.DTYPES, matmul_kernel.QUANT_TYPES, (False, True), range(1, 20))
+    for dtype, quant, nested, m in calls:
+        v = matmul_kernel.variant_for(dtype, quant, nested, m)
+        assert (v.dtype, v.quant_type, v.nested, v.tokens) == (dtype, quant, nested, matmul_kernel.token_tile(m))
+        assert v.few_rows == (nested and m <= few), (nested, m)
+        assert v in matmul_kernel.all_variants(), "the compile check and the resource record cover every build"
+        macros = dict(v.macros("sm_90"))
+        assert macros.get("MM_FEW_ROWS") == (str(few) if v.few_rows else None)
+        # Its own name (the compile cache and the resource record are keyed by it), its own kernel source.
+        plain = dataclasses.replace(v, few_rows=False)
+        assert (v.name != plain.name) == v.few_rows and v.build("sm_90") == plain.build("sm_90")
+    assert 1 <= few <= matmul_kernel.DECODE_TILES[0]
+    names = [v.name for v in matmul_kernel.all_variants()]
+    assert len(names) == len(set(names))
+    for bad in ((False, 8), (True, 16), (True, 64)):  # plain scales, or a tile past one mma's tokens
+        with pytest.raises(ValueError, match="few-rows build"):
+            matmul_kernel.MatmulVariant("bf16", "nf4", bad[0], bad[1], True)
+
+
 @pytest.mark.parametrize(
     ("M", "N", "K"),
     [(1, 28672, 8192), (16, 28672, 8192), (1, 8192, 8192), (1, 1024, 8192), (64, 8192, 8192), (8, 48, 96)],
@@ -240,19 +261,20 @@ def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(c
     a GPU without clusters, no plan has any)."""
     hopper_gpu = launcher.device_arch(cuda.index) == "sm_90"
     if not hopper_gpu or torch.cuda.get_device_properties(cuda).multi_processor_count != hopper.SMS:
-        for tokens, nested in itertools.product(matmul_kernel.TOKEN_TILES, (False, True)):
-            plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens), cuda.index)
-            assert hopper_gpu or plan.max_clusters == (), (tokens, nested)
+        for rows, nested in itertools.product((1, *matmul_kernel.TOKEN_TILES), (False, True)):
+            plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows), cuda.index)
+            assert hopper_gpu or plan.max_clusters == (), (rows, nested)
         return
-    expected = {
+    expected = {  # by the rows of a call: its variant (1 row of nested weights: the few-rows build)
+        (1, True): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (8, True): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (16, False): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (16, True): (hopper.PAIRS16_PER_SM, hopper.PAIRS16_CLUSTERS),
         (64, True): (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
     }
-    for (tokens, nested), (per_sm, clusters) in expected.items():
-        plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens), cuda.index)
-        assert (plan.blocks_per_sm, plan.sms, plan.max_clusters) == (per_sm, hopper.SMS, clusters), (tokens, nested)
+    for (rows, nested), (per_sm, clusters) in expected.items():
+        plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows), cuda.index)
+        assert (plan.blocks_per_sm, plan.sms, plan.max_clusters) == (per_sm, hopper.SMS, clusters), (rows, nested)
 
 
 @pytest.mark.gpu
@@ -522,7 +544,7 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
     B, qs, _W = _weights(N, K, "nf4", 64, True, torch.bfloat16, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(torch.bfloat16)
     assert matmul.fused_matmul(A, B.t(), qs) is not None
-    plan = matmul_kernel.plan(matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M)), cuda.index)
+    plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", True, M), cuda.index)
     assert plan.grid(M, N, K, matmul_kernel.token_tile(M)).splits > 1, "the case must split K"
     first = matmul.fused_matmul(A, B.t(), qs)
     for run in range(20):
@@ -548,7 +570,7 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     (features past N, tokens past M and the bias included). Elsewhere, and for the other tiles, the
     finish adds them."""
     N, tokens = 330, matmul_kernel.token_tile(M)
-    variant = matmul_kernel.MatmulVariant(dtypes.ACTIVATION_NAME[dtype], "nf4", True, tokens)
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], "nf4", True, M)
     plan = matmul_kernel.plan(variant, cuda.index)
     sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)

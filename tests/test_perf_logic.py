@@ -662,6 +662,7 @@ def test_planted_kernel_compiles_and_changes_only_where_asked(tmp_path):
     variants += [
         (source[2], MatmulVariant("bf16", "nf4", False, 8)),
         (source[3], MatmulVariant("bf16", "nf4", True, 8)),
+        (source[3], MatmulVariant("bf16", "nf4", True, 8, few_rows=True)),  # the one- and two-row calls' build
         (source[4], MatmulVariant("bf16", "nf4", True, 16)),
         (source[5], MatmulVariant("bf16", "nf4", True, 16)),
     ]

@@ -166,7 +166,7 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
     out = []
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
-        variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, matmul_kernel.token_tile(M))
+        variant = matmul_kernel.variant_for("bf16", "nf4", True, M)
         plan = matmul_kernel.plan(variant, device.index)
         grids = candidate_grids(plan, M, N, K, variant.tokens)
         times, in_bound = time_grids(timer, x, B, qs, mr.fused_reference(x, B, qs, W, None, torch.bfloat16), grids)

@@ -216,7 +216,7 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
 
 
 def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.MatmulVariant(ACTIVATION_NAME[A.dtype], quant_type, nested, matmul_kernel.token_tile(M))
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M)
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.Tensor:

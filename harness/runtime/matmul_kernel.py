@@ -98,6 +98,12 @@ OPERANDS = (
 MAIN_PARAMS = ("ptr",) * 6 + ("f32", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32")
 FINISH_PARAMS = ("ptr", "ptr", "ptr", "i64", "i32", "i32")  # partial, bias, out, M, N, splits
 FINISH_THREADS = 256
+# Calls of at most this many rows of a weight with nested scales run the pair-table kernel's few-rows
+# build (MM_FEW_ROWS): only the lanes of those rows read activations. On an H200, where the L1 unit
+# paces the one-row call, that made the large weights 4-5% faster at one row; at 8 rows, every lane
+# live, 0-2.4% slower, and at 4 rows it gained on two weights and lost on a third (H200 and H100,
+# kernels/NOTES.md): the build is kept to the rows where its reads fit one wavefront.
+FEW_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -106,14 +112,18 @@ class MatmulVariant:
     quant_type: str
     nested: bool
     tokens: int
+    few_rows: bool = False  # the few-rows build (FEW_ROWS) of the one-tile pair-table kernel
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.quant_type not in QUANT_TYPES or self.tokens not in TOKEN_TILES:
             raise ValueError(f"no such matmul variant: {self}")
+        if self.few_rows and not (self.nested and self.tokens == DECODE_TILES[0]):
+            raise ValueError(f"the few-rows build is the nested {DECODE_TILES[0]}-token kernel's only: {self}")
 
     @property
     def name(self) -> str:
-        return f"mm4-{self.quant_type}-{self.dtype}-{'nested' if self.nested else 'plain'}-m{self.tokens}-w{self.warps}"
+        scales, few = "nested" if self.nested else "plain", "-few" if self.few_rows else ""
+        return f"mm4-{self.quant_type}-{self.dtype}-{scales}-m{self.tokens}-w{self.warps}{few}"
 
     @property
     def warps(self) -> int:
@@ -156,11 +166,19 @@ class MatmulVariant:
             ("MM_TOKENS", str(self.tokens)),
             ("MM_WARPS", str(self.warps)),
             ("MM_CLUSTER_SPLITS", str(self.cluster_splits(arch))),
-        )
+        ) + ((("MM_FEW_ROWS", str(FEW_ROWS)),) if self.few_rows else ())  # the other builds' specs unchanged
 
 
 def all_variants() -> list[MatmulVariant]:
-    return [MatmulVariant(*v) for v in itertools.product(DTYPES, QUANT_TYPES, (False, True), TOKEN_TILES)]
+    every = [MatmulVariant(*v) for v in itertools.product(DTYPES, QUANT_TYPES, (False, True), TOKEN_TILES)]
+    few = [MatmulVariant(d, q, True, DECODE_TILES[0], True) for d, q in itertools.product(DTYPES, QUANT_TYPES)]
+    return every + few
+
+
+def variant_for(dtype: str, quant_type: str, nested: bool, m: int) -> MatmulVariant:
+    """The variant that multiplies ``m`` rows: the smallest token tile holding them, and for at most
+    ``FEW_ROWS`` rows of a weight with nested scales the few-rows build."""
+    return MatmulVariant(dtype, quant_type, nested, token_tile(m), nested and m <= FEW_ROWS)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
