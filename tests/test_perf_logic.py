@@ -277,6 +277,19 @@ def test_baseline_cli(tmp_path):
     assert (tmp_path / "b" / "nvidia-h100-80gb-hbm3.json").exists()
 
 
+def test_baseline_cli_merges_only_the_cases_asked_for(tmp_path):
+    path = baseline.save([_record({"a-m1": 200.0, "a-m8": 210.0, "b-m1": 9.0})] * 3, tmp_path)
+    record = tmp_path / "session-record.json"
+    record.write_text(json.dumps(_record({"a-m1": 190.0, "a-m8": 230.0, "b-m1": 8.0})))
+    assert baseline.main([str(record), "--dir", str(tmp_path), "--cases", "a-m1", "--cases", "x*"]) == 0
+    cases = json.loads(path.read_text())["cases"]
+    # a-m1 re-recorded; a-m8 moved as much but was not asked for; b-m1 not matched either.
+    assert (cases["a-m1"]["us"], cases["a-m8"]["us"], cases["b-m1"]["us"]) == (190.0, 210.0, 9.0)
+    assert json.loads(path.read_text())["sessions"] == 1  # a-m1 stands on one session now
+    with pytest.raises(ValueError, match="no case of the record matches"):
+        baseline.main([str(record), "--dir", str(tmp_path), "--cases", "nothing*"])
+
+
 def test_committed_baselines_load(tmp_path):
     """Every baseline file in the repository reads with the current schema."""
     from harness.perf.session import JUDGE_ROOT

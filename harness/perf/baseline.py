@@ -23,12 +23,14 @@ records from another host are moved onto the file's floor before they are merged
 one (recorded before it was kept) is compared as measured.
 
 A session writes a *record* (``session_record``); ``python -m harness.perf.baseline RECORD...``
-combines records from several sessions, on several machines where available, into the file.
+combines records from several sessions, on several machines where available, into the file;
+``--cases PATTERN`` merges only the cases a change moved, so the others keep their hosts.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import statistics
@@ -263,6 +265,16 @@ def floor_line(baseline: Baseline, timer_floor_us: float | None) -> str:
     )
 
 
+def only_cases(record: dict, patterns: Iterable[str]) -> dict:
+    """``record`` cut to the cases matching any of the shell-style ``patterns``: for a change that
+    moved some cases only, so that the others keep the sessions (hosts) they stand on."""
+    patterns = list(patterns)
+    cases = {c: v for c, v in record["cases"].items() if any(fnmatch.fnmatchcase(c, p) for p in patterns)}
+    if not cases:
+        raise ValueError(f"no case of the record matches {patterns}")
+    return {**record, "cases": cases}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m harness.perf.baseline",
@@ -270,8 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("records", nargs="+", type=Path, help="session-record.json files written by nox -s perf")
     parser.add_argument("--dir", type=Path, default=Path("baselines"), help="baseline directory (default: baselines)")
+    parser.add_argument(
+        "--cases", action="append", metavar="PATTERN",
+        help="merge only the cases matching this shell-style pattern (repeatable; default: every case)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    path = save((json.loads(p.read_text()) for p in args.records), args.dir)
+    records = [json.loads(p.read_text()) for p in args.records]
+    if args.cases:
+        records = [only_cases(r, args.cases) for r in records]
+    path = save(records, args.dir)
     print(f"baseline: {path}")
     return 0
 
