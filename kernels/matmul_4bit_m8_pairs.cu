@@ -41,8 +41,8 @@
 // MM_FEW_ROWS (the build the host picks for calls of at most that many rows, one token tile): only the
 // lanes of token rows below it read activations, the others multiply zeros into outputs that are
 // never stored. At one row the tile's LDS.128 then take one wavefront instead of four, a fifth of
-// the L1 unit's work, which paces this kernel at one row on an H200 (kernels/NOTES.md); at 5-8 rows
-// every lane is live and the predicate only costs the schedule, so that build keeps today's code.
+// the L1 unit's work, which paces this kernel at one row on an H200 (kernels/NOTES.md). Calls of more
+// rows run the build without it: at 8 rows every lane is live and the predicate only cost the schedule.
 #ifndef MM_FEW_ROWS
 #define MM_FEW_ROWS 0
 #endif

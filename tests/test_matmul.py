@@ -480,7 +480,7 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 # wide kernel's; K = 384: the pair-table kernel's 16-byte weight loads (K % 128 == 0) ending in a
 # half step; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
 @pytest.mark.parametrize(("N", "K"), [(48, 320), (48, 384), (200, 4096 + 96)], ids=["48x320", "48x384", "200x4192"])
-@pytest.mark.parametrize("M", [1, 5, 8, 12, 16, 17, 33, 64, 100, 256])  # every token tile, tails, several tiles
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 12, 16, 17, 33, 64, 100, 256])  # every build and tile, tails, several tiles
 def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
@@ -498,7 +498,7 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
 @pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", True), ("fp4", False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 64, 65, 200, 1024])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_random_rows_stay_in_the_bound_and_no_worse_than_bitsandbytes(
     cuda, bnb, run_seed, quant_type, nested, dtype, M, with_bias
