@@ -1,4 +1,4 @@
-// Fused 4-bit matmul for 9 to 64 tokens a tile: out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
+// Fused 4-bit matmul for 9 to 128 tokens a tile: out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]),
 // W in the bitsandbytes packed format (kernels/dequantize_4bit.cu states it) decoded in registers,
 // never written out. Up to 8 tokens run matmul_4bit_m8.cu; matmul_4bit_common.cuh holds the macros,
 // the host contract and the arithmetic both share.
@@ -21,8 +21,8 @@
 #define STEP_K 128
 #include "matmul_4bit_step128.cuh"
 
-#if MM_TOKENS != 16 && MM_TOKENS != 32 && MM_TOKENS != 64
-#error "matmul_4bit.cu takes MM_TOKENS 16, 32 or 64 (8: matmul_4bit_m8.cu)"
+#if MM_TOKENS != 16 && MM_TOKENS != 32 && MM_TOKENS != 64 && MM_TOKENS != 128
+#error "matmul_4bit.cu takes MM_TOKENS 16, 32, 64 or 128 (8: matmul_4bit_m8.cu)"
 #endif
 
 // Chunk c of token row r sits in slot act_slot(r, c): the XOR puts the 8 lanes of a quarter warp
@@ -52,7 +52,12 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
 // bits on every run, whatever order the blocks ran in.
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
+#if MM_TOKENS == 128  // two stages (64 KB) pass the 48 KB a kernel may declare: the launch passes them
+    extern __shared__ __align__(16) unsigned char s_dynamic[];
+    auto& s_act = *reinterpret_cast<uint4(*)[ACT_STAGES][ACT_TILE_SLOTS]>(s_dynamic);
+#else
     __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
+#endif
     MM_SCALES_PROLOGUE;
     if (threadIdx.x == 0) stage_code_table(s_code);
 

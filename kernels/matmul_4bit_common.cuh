@@ -1,4 +1,4 @@
-// What the fused 4-bit matmul kernels share (matmul_4bit.cu for 9 to 64 tokens a tile, or on
+// What the fused 4-bit matmul kernels share (matmul_4bit.cu for 9 to 128 tokens a tile, or on
 // Hopper matmul_4bit_sm90.cu; matmul_4bit_m8.cu for up to 8): their macros, the mma, the decoded
 // weight's rounding, the scales' loads and arithmetic, the epilogue and the finish that adds the
 // splits of K.
@@ -7,7 +7,7 @@
 //   MM_DTYPE   0 = fp16, 1 = bf16 (activations, decoded weights and output)
 //   MM_QUANT   0 = nf4,  1 = fp4
 //   MM_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
-//   MM_TOKENS  tokens per warp tile (8 for matmul_4bit_m8.cu; 16, 32 or 64 for the wide-tile kernels)
+//   MM_TOKENS  tokens per warp tile (8 for matmul_4bit_m8.cu; 16, 32, 64 or 128 for the wide-tile kernels)
 //   MM_WARPS   warps per block (each owns 16 output features)
 //   MM_CLUSTER_SPLITS  the most splits of K a thread block cluster adds (0: the kernel has no cluster
 //              epilogue; harness/runtime/matmul_kernel.py's CLUSTER_SPLITS says which kernels do)

@@ -1,4 +1,4 @@
-// Fused 4-bit matmul for 9 to 64 tokens a tile on Hopper (sm_90a): matmul_4bit.cu's decode with
+// Fused 4-bit matmul for 9 to 128 tokens a tile on Hopper (sm_90a): matmul_4bit.cu's decode with
 // the tensor cores' warpgroup instruction. wgmma.mma_async takes operand A (64 output features x
 // 16 k: the decoded weights) from the registers of a warpgroup's four warps, exactly in the layout
 // mma.sync's operand A has per warp, and operand B (16 k x MM_TOKENS tokens: the activations)
@@ -21,8 +21,8 @@
 #define STEP_K 128
 #include "matmul_4bit_step128.cuh"
 
-#if MM_TOKENS != 16 && MM_TOKENS != 32 && MM_TOKENS != 64
-#error "matmul_4bit_sm90.cu takes MM_TOKENS 16, 32 or 64"
+#if MM_TOKENS != 16 && MM_TOKENS != 32 && MM_TOKENS != 64 && MM_TOKENS != 128
+#error "matmul_4bit_sm90.cu takes MM_TOKENS 16, 32, 64 or 128"
 #endif
 #if MM_WARPS % 4 != 0
 #error "matmul_4bit_sm90.cu runs whole warpgroups: MM_WARPS a multiple of 4"
@@ -89,6 +89,12 @@ __device__ __forceinline__ void settle(float (&d)[NT8][4]) {
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." type "." type " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n" \
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                                                     \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#elif MM_TOKENS == 128
+#define WGMMA_ASM(type)                                                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." type "." type " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
 #endif
 
 __device__ __forceinline__ void wgmma(float (&d)[NT8][4], const u32 a[4], unsigned long long desc) {
@@ -135,7 +141,12 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
 // tokens (MM_CLUSTER_SPLITS 2) two splits may run as a cluster that adds them (add_splits_in_cluster).
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
     __shared__ __align__(16) float s_code[16];
+#if MM_TOKENS == 128  // two stages (64 KB) pass the 48 KB a kernel may declare: the launch passes them
+    extern __shared__ __align__(128) unsigned char s_dynamic[];
+    auto& s_act = *reinterpret_cast<unsigned char(*)[ACT_STAGES][STAGE_BYTES]>(s_dynamic);
+#else
     __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
+#endif
     MM_SCALES_PROLOGUE;
     cp_async_commit();  // the scales' code book: this kernel's only cp.async group
     if (threadIdx.x == 0) stage_code_table(s_code);

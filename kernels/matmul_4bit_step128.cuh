@@ -72,7 +72,9 @@ __device__ __forceinline__ void load_step(StepWeights& w, int step, const unsign
 // Launch bounds of both wide-tile kernels. 8 warps (64 tokens): two blocks an SM, 128 registers a
 // thread; with mma.sync on an H100 that ran 12-15% faster on the large weights than one block an
 // SM (NOTES, "Activations in shared memory"). 4 warps keep ptxas' default.
-#if MM_WARPS == 8
+#if MM_TOKENS == 128  // 64 accumulators a thread: one block an SM, up to 255 registers
+#define WIDE_BOUNDS MM_WARPS * 32, 1
+#elif MM_WARPS == 8
 #define WIDE_BOUNDS MM_WARPS * 32, 2
 #else
 #define WIDE_BOUNDS MM_WARPS * 32

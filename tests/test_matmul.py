@@ -37,17 +37,8 @@ FUSED_EVERYWHERE = min(most for table in (*CROSSOVER_M.values(), DEFAULT_CROSSOV
 
 
 def test_a_token_tile_holds_the_rows_and_the_largest_covers_the_rest():
-    assert [matmul_kernel.token_tile(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 1000)] == [
-        8,
-        8,
-        16,
-        16,
-        32,
-        64,
-        64,
-        64,
-        64,
-    ]
+    rows = (1, 8, 9, 16, 17, 33, 64, 65, 128, 129, 1000)
+    assert [matmul_kernel.token_tile(m) for m in rows] == [8, 8, 16, 16, 32, 64, 64, 128, 128, 128, 128]
 
 
 def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_only():
@@ -560,7 +551,7 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
         (8, 4096, torch.bfloat16, True),
         (5, 16384, torch.bfloat16, True),  # 16 splits: a cluster past the portable size of 8
         (40, 4096, torch.float16, True),  # the 64-token tile, 40 rows of it
-        (100, 4096, torch.bfloat16, False),  # two 64-token tiles, the second 36 rows
+        (100, 4096, torch.bfloat16, False),  # the 128-token tile (no cluster epilogue: the finish), 100 rows
     ],
 )
 def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, K, dtype, bias):
@@ -710,13 +701,14 @@ def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_s
 
 
 @pytest.mark.parametrize(
-    ("M", "N", "K", "tokens"), [(3, 40, 256, 16), (9, 70, 96 + 128, 16), (20, 24, 320, 32), (70, 130, 160, 64)]
+    ("M", "N", "K", "tokens"),
+    [(3, 40, 256, 16), (9, 70, 96 + 128, 16), (20, 24, 320, 32), (70, 130, 160, 64), (100, 70, 160, 128)],
 )
 def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, tokens):
     """kernels/matmul_4bit_sm90.cu: the lanes' decoded operand A (as WIDE's) and the activations
     as store_chunks stages them, read back by wgmma's K-major layout with the kernel's strides,
     must compute A · Wᵀ: the staging undoes the k permutation the weights' side keeps (K = 224 and
-    320 end in a partial step; M = 70 fills a second 64-token tile partly)."""
+    320 end in a partial step; M = 70 fills a second 64-token tile partly, M = 100 a 128-token one)."""
     from tests import matmul_lanes
 
     A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
@@ -724,7 +716,7 @@ def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, t
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64])
+@pytest.mark.parametrize("tokens", [t for t in matmul_kernel.TOKEN_TILES if t > matmul_kernel.DECODE_TILES[0]])
 def test_the_hopper_kernels_staging_stores_hit_32_banks_and_stay_in_its_stage(tokens):
     """Each warp-wide 4-byte store of store_chunks lands in 32 different banks, inside the stage,
     and every slice starts 16-byte aligned (a wgmma descriptor's address unit)."""

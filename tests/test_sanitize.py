@@ -114,10 +114,14 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
 def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish():
     """On Hopper the split cases of both kernels with the cluster epilogue (8 and 64 tokens) add
     their splits inside a cluster (the 8-token one also in a cluster past the portable size and
-    in one of an odd size) and the 32-token one's (no cluster epilogue) through the finish, so the
+    in one of an odd size) and the 32- and 128-token ones' (no cluster epilogue) through the finish, so the
     sanitizer sees both ways of adding them (the clusters at once and blocks an SM an H100 and an
     H200 report)."""
-    plans = {8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS), 64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS)}
+    plans = {
+        8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
+        64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
+        128: (hopper.WIDE128_PER_SM, ()),
+    }
     for rule in RULES:  # the pair-table (nested) and register-table (plain) 8-token kernels' rules
         ways = set()
         for M, N, K in op_checks.matmul.SANITIZE_SHAPES:
@@ -130,6 +134,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
             if grid.clustered and grid.splits % 2:
                 ways.add((tokens, "cluster of an odd size"))
         assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways, rule
+        assert {(128, "finish"), (128, "unsplit")} <= ways, rule
         assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways, rule
 
 

@@ -68,16 +68,17 @@ WGMMA_TARGETS = {"sm_90": "sm_90a"}  # GPU arch -> the compile target of SOURCE_
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
 DTYPES = ("fp16", "bf16")  # activations, decoded weights and output
-TOKEN_TILES = (8, 16, 32, 64)  # tokens one warp multiplies each decoded weight with
+TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens one warp multiplies each decoded weight with
 # Warps per block (16 output features each) by token tile. The warps of a block share one staged
 # activation tile: at 64 tokens, 8 warps halve its share per weight (H100, 28672x8192: 242 -> 192 µs),
 # while the smaller tiles and weights lose more to the fewer, larger blocks (kernels/NOTES.md).
-WARPS = {8: 4, 16: 4, 32: 4, 64: 8}
+WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 8}
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
 # one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
 ARITHMETIC = {SOURCE_M8_PAIRS: "scaled-sums"}  # every other source: "dequantized"
 STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
+WIDE_DYNAMIC_TILE = 128  # the wide tile whose activation stages the launch passes as dynamic shared memory
 PAIR_TABLE_BYTES = 256 * 32 * 4  # SOURCE_M8_PAIRS' table: 256 pairs of codes, 32 copies of each
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
@@ -151,11 +152,17 @@ class MatmulVariant:
     def dynamic_shared_bytes(self, arch: str) -> int:
         """Bytes of dynamic shared memory every launch of this variant's main kernel on ``arch`` passes
         (0: its shared memory is all static)."""
-        if self.build(arch)[0] != SOURCE_M8_PAIRS or self.tokens == DECODE_TILES[0]:
-            return 0
-        # Past the 48 KB a kernel may declare: the pair table, then two stages of the activation
+        source = self.build(arch)[0]
+        # Past the 48 KB a kernel may declare. The pair table, then two stages of the activation
         # tile at its larger padding (4 slots a row: kernels/matmul_4bit_m8_pairs.cu).
-        return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
+        if source == SOURCE_M8_PAIRS and self.tokens != DECODE_TILES[0]:
+            return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
+        # The wide kernels' two stages at 128 tokens: 16 bytes a token and 8 k, 16 bytes of padding a
+        # k16 slice in the wgmma kernel's (kernels/matmul_4bit_sm90.cu).
+        if self.tokens == WIDE_DYNAMIC_TILE:
+            slice_padding = 16 * (STEP_K_WIDE // 16) if source == SOURCE_SM90 else 0
+            return 2 * (self.tokens * STEP_K_WIDE * 2 + slice_padding)
+        return 0
 
     def macros(self, arch: str) -> tuple[tuple[str, str], ...]:
         """The compile macros of this variant's kernel on a GPU of ``arch``."""
@@ -252,6 +259,15 @@ class Grid:
 # left the 1024x8192 weight 2 splits at 128 rows (16 blocks on 132 SMs): 46 µs; with as many bytes
 # as the weights, 8 splits take 20.5 (H100, kernels/NOTES.md, "Splits for the small weights").
 PARTIAL_SHARE = 1.0
+# The 128-token tile holds one block an SM (64 accumulators a thread), so the wide tiles' one-wave
+# rule left the weights of a few more feature groups than SMs in two waves, the second mostly empty
+# (gemma-3-27b's 21504x5376 at 128 rows unsplit 152 µs, in 3 splits 120), and the small weights short
+# of splits by the cap above (1024x8192: 8 splits on 64 SMs, 22.8 µs; 16 splits 18.2). It follows
+# the waves rule, with partial sums of up to PARTIAL_FLOOR_BYTES whatever the weight (they stay in
+# L2): over 60 weights at 96 and 128 rows of an H200 sweep, 1.011x the fastest grid (geometric mean;
+# the one-wave rule 1.074x, the waves rule without the floor 1.057x; kernels/NOTES.md).
+WAVES_WIDE_TILES = (128,)
+PARTIAL_FLOOR_BYTES = 8 << 20
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
 # Where the GPU has thread block clusters (sm_90 on), a grid's splits of K may run as one cluster
@@ -335,14 +351,16 @@ def grid_for(
     runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
-    The wider tiles measured slower under the busiest-SM rule (M = 32 in the A/B gate,
-    kernels/NOTES.md), and more splits cost them partial sums M times larger: they take as many
-    splits as fit beside each other in one wave (a grid just over one wave would run its few extra
-    blocks as a second wave).
+    The 128-token tile (``WAVES_WIDE_TILES``) takes the waves rule's grid too, its partial sums
+    allowed ``PARTIAL_FLOOR_BYTES``. The narrower wide tiles measured slower under the busiest-SM
+    rule (M = 32 in the A/B gate, kernels/NOTES.md), and more splits cost them partial sums M
+    times larger: they take as many splits as fit beside each other in one wave (a grid just over
+    one wave would run its few extra blocks as a second wave).
     Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
     busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
     groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), steps_of(K, tokens)
-    cap = max(1, min(steps // min_split_steps(tokens), MAX_SPLITS, int(PARTIAL_SHARE * (N * K / 2) // (4 * M * N))))
+    partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if tokens in WAVES_WIDE_TILES else 0)
+    cap = max(1, min(steps // min_split_steps(tokens), MAX_SPLITS, int(partial_bytes // (4 * M * N))))
     units = groups * tiles
 
     def shape(splits: int) -> tuple[int, int]:  # (splits without an empty one, steps per split)
@@ -362,11 +380,17 @@ def grid_for(
     def pair_no_slower(n: int) -> bool:
         return pair_n == 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
 
-    if tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS):
+    if tokens in WAVES_WIDE_TILES or (tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS)):
         options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
         grid = min(options, key=lambda option: option[0])[1]
         n = grid.splits
-        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and not grid.clustered and pair_no_slower(n)
+        pair_pays = (
+            tokens in DECODE_TILES
+            and n != 2
+            and blocks_per_sm >= BUSIEST_SM_BLOCKS
+            and not grid.clustered
+            and pair_no_slower(n)
+        )
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))

@@ -100,11 +100,12 @@ def perf_cases() -> list[MatmulCase]:
 # == 32: a table per 32-k half), and in 16 splits (on Hopper one cluster, past the portable size)
 # and in 7 splits of 3 steps (on Hopper a cluster of an odd size); the 16-token one unsplit over 4
 # steps; the wide kernel at 32 tokens split in two (no cluster epilogue: the finish adds them on any
-# GPU), at 64 split in two and unsplit over two token tiles. The split rules decide these splits on
-# any GPU that holds three blocks (tests/test_sanitize.py).
+# GPU), at 64 split in two and unsplit; at 128 (its activation stages in dynamic shared memory)
+# split in two and unsplit over two token tiles. The split rules decide these splits on any GPU that
+# holds three blocks (tests/test_sanitize.py).
 SANITIZE_SHAPES = (
     (3, 40, 1856), (3, 40, 224), (5, 40, 16384), (5, 40, 5376), (9, 40, 1024), (20, 40, 1024), (40, 40, 1024),
-    (70, 40, 256),
+    (60, 40, 256), (100, 40, 1024), (130, 40, 256),
 )  # fmt: skip
 
 
