@@ -38,7 +38,7 @@ from harness.correctness.op_checks import matmul as matmul_checks
 from harness.perf import gpu_info, gpu_timer
 from harness.runtime import launcher, matmul, matmul_kernel
 
-ROWS = (1, 8, 16, 64, 128)  # the 8-token kernel, and the wide tiles at one and two token tiles
+ROWS = (1, 8, 16, 64, 128)  # the decode kernels at one and two token tiles, the wide 64- and 128-token tiles
 TOLERANCE = 0.05  # a case's row is ok where the rules' grid is at most this much slower than the fastest
 # The exit status: the rules' grids together (geometric mean of rules ÷ fastest) may take this much
 # longer. On the kernels they were fit to they took 1.02-1.03x, with single cases up to 1.49x; on
