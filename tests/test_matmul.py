@@ -487,6 +487,39 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quant_type", "dtype", "blocksize", "nested"),
+    [("nf4", torch.bfloat16, 64, True), ("fp4", torch.float16, 32, False), ("nf4", torch.float16, 256, False)],
+    ids=str,
+)
+@pytest.mark.parametrize("M", [17, 64, 100, 130])  # the 32-, 64- and 128-token tiles, and two of 128
+def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
+    cuda, run_seed, monkeypatch, quant_type, dtype, blocksize, nested, M
+):
+    """kernels/matmul_4bit.cu, the wide tiles of GPUs without wgmma (A100, L4), built for this GPU
+    with the wgmma build withheld, so that its code runs wherever the suite runs (on Hopper the
+    drop-in takes matmul_4bit_sm90.cu): one-hot rows give the dequantization kernel's bits, random
+    rows stay in the fp64 bound. Fresh plan and kernel caches: the two builds share a name."""
+    monkeypatch.setattr(matmul_kernel, "WGMMA_TARGETS", {})
+    monkeypatch.setattr(matmul_kernel, "_plans", {})
+    monkeypatch.setattr(launcher, "_loaded", {})
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M)
+    assert variant.build(launcher.device_arch(cuda.index))[0] == matmul_kernel.SOURCE_WIDE
+    N, K = 200, 4096 + 96  # a partial last step
+    B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
+    A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
+    g = cases.seeded_generator(run_seed + M, cuda)
+    R = torch.randn(M, K, generator=g, device=cuda).to(dtype)
+    with host_path.python_path_only():
+        one_hot = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
+        random_rows = matmul.fused_matmul(R, B.t(), qs)
+    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested), B, qs, W)[:, columns].t().contiguous()
+    assert_bit_exact(one_hot, expected, f"one-hot, matmul_4bit.cu {quant_type} {dtype} bs{blocksize} M={M}")
+    judged = mr.judge(random_rows, mr.fused_reference(R, B, qs, W, None, dtype))
+    assert judged.ok, judged
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", True), ("fp4", False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 64, 65, 200, 1024])
