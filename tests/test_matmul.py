@@ -262,6 +262,7 @@ def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(c
         (16, False): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (16, True): (hopper.PAIRS16_PER_SM, hopper.PAIRS16_CLUSTERS),
         (64, True): (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
+        (128, True): (hopper.WIDE128_PER_SM, ()),
     }
     for (rows, nested), (per_sm, clusters) in expected.items():
         plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows), cuda.index)

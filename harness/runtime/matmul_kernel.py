@@ -384,13 +384,7 @@ def grid_for(
         options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
         grid = min(options, key=lambda option: option[0])[1]
         n = grid.splits
-        pair_pays = (
-            tokens in DECODE_TILES
-            and n != 2
-            and blocks_per_sm >= BUSIEST_SM_BLOCKS
-            and not grid.clustered
-            and pair_no_slower(n)
-        )
+        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and not grid.clustered and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
