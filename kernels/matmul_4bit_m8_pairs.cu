@@ -94,75 +94,6 @@ __device__ __forceinline__ u32 lookup(const u32* table, const PairAddresses& a) 
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(table) + offset);
 }
 
-// Part of the decode by register tables instead (MM_PRMT_EVERY = D: one packed word in D of a
-// chunk's, D = 0: none): the pair lookups are the largest share of the L1 unit's data stage, which
-// paces the one-row call, while the issue slots run at half their peak (kernels/NOTES.md). The table
-// is the 16 codes rounded to A's dtype, so the decoded pairs are the lookups' bits.
-#ifndef MM_PRMT_EVERY
-#define MM_PRMT_EVERY 0
-#endif
-
-// fp32 bits rounded to nearest even in A's dtype, at compile time. Every code is zero or a normal
-// fp16 (|code| >= 2^-8), so the fp16 path needs no subnormal or overflow case.
-__host__ __device__ constexpr u32 rounded_code(int i) {
-    const u32 bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
-    const u32 f = bits[i];
-#if MM_DTYPE == 1
-    return (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
-#else
-    const u32 sign = (f >> 16) & 0x8000u, mag = f & 0x7fffffffu;
-    if (mag == 0) return sign;
-    const u32 m = (mag & 0x7fffffu) >> 13, rem = mag & 0x1fffu;
-    const u32 up = rem > 0x1000u || (rem == 0x1000u && (m & 1u)) ? 1u : 0u;
-    return sign | ((((mag >> 23) - 112u) << 10) + m + up);
-#endif
-}
-
-// Byte `half` (0 low, 1 high) of codes 4i .. 4i + 3, one a byte: matmul_4bit_m8.cu's Table, unscaled.
-__host__ __device__ constexpr u32 code_bytes(int half, int i) {
-    u32 r = 0;
-    for (int j = 0; j < 4; ++j) r |= ((rounded_code(4 * i + j) >> (8 * half)) & 0xffu) << (8 * j);
-    return r;
-}
-
-// x >> k as a high multiply (the multiply pipe is idler than the integer one).
-__device__ __forceinline__ u32 shr_mul(u32 x, int k) { return __umulhi(x, 1u << (32 - k)); }
-
-// Pairs of two packed bytes, as matmul_4bit_m8.cu's lookup4 with the fixed table.
-__device__ __forceinline__ void lookup4_fixed(u32 low3, u32 pick, u32& w01, u32& w23) {
-    constexpr u32 l0 = code_bytes(0, 0), l1 = code_bytes(0, 1), l2 = code_bytes(0, 2), l3 = code_bytes(0, 3);
-    constexpr u32 h0 = code_bytes(1, 0), h1 = code_bytes(1, 1), h2 = code_bytes(1, 2), h3 = code_bytes(1, 3);
-    const u32 lo = prmt(prmt(l0, l1, low3), prmt(l2, l3, low3), pick);
-    const u32 hi = prmt(prmt(h0, h1, low3), prmt(h2, h3, low3), pick);
-    w01 = prmt(lo, hi, 0x4051);
-    w23 = prmt(lo, hi, 0x6273);
-}
-
-// The 4 pairs of one packed word (d[b]: byte b's, as lookup<b>).
-__device__ __forceinline__ void decode_word_fixed(u32 x, u32 d[4]) {
-    const u32 low3 = x & 0x77777777u;
-    const u32 pick = lop3_and_or(shr_mul(x, 1), 0x44444444u, 0x32103210u);
-    lookup4_fixed(low3, pick, d[0], d[1]);
-    lookup4_fixed(shr_mul(low3, 16), shr_mul(pick, 16), d[2], d[3]);
-}
-
-// The 4 pairs of one packed word, by the shared table or (regs, a constant once unrolled) the fixed
-// register one.
-__device__ __forceinline__ void decode_word(bool regs, u32 x, const u32* table, u32 lane_bytes, u32 d[4]) {
-    if (regs) {
-        decode_word_fixed(x, d);
-    } else {
-        const PairAddresses a = pair_addresses(x, lane_bytes);
-        d[0] = lookup<0>(table, a), d[1] = lookup<1>(table, a), d[2] = lookup<2>(table, a), d[3] = lookup<3>(table, a);
-    }
-}
-
-// Word i of a lane's step (2 (c * words + v) for the first feature's word v of chunk c, + 1 for the
-// second's) goes by registers.
-__device__ __forceinline__ constexpr bool by_registers(int i) {
-    return MM_PRMT_EVERY > 0 && i % MM_PRMT_EVERY == MM_PRMT_EVERY - 1;
-}
-
 // The thread's index read again (a volatile read: the compiler cannot keep an earlier one live).
 __device__ __forceinline__ unsigned fresh_tid() {
     unsigned tid;
@@ -396,11 +327,10 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
             for (int i = 0; i < NT8; ++i)
                 act[i] = act_live ? tile[act_slot<kChunk>(ln.act_row + 8 * i, (c * kChunk + ln.t * S::run) / 8 + v)]
                                   : make_uint4(0u, 0u, 0u, 0u);
-            u32 dl[4], dh[4];
-            decode_word(by_registers(2 * (c * S::words + v)), w.lo[c].w[v], table, lane_bytes, dl);
-            decode_word(by_registers(2 * (c * S::words + v) + 1), w.hi[c].w[v], table, lane_bytes, dh);
-            const u32 a0[4] = {dl[0], dh[0], dl[1], dh[1]};
-            const u32 a1[4] = {dl[2], dh[2], dl[3], dh[3]};
+            const PairAddresses lo = pair_addresses(w.lo[c].w[v], lane_bytes);
+            const PairAddresses hi = pair_addresses(w.hi[c].w[v], lane_bytes);
+            const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};
+            const u32 a1[4] = {lookup<2>(table, lo), lookup<2>(table, hi), lookup<3>(table, lo), lookup<3>(table, hi)};
 #pragma unroll
             for (int i = 0; i < NT8; ++i) {
                 if (v == 0)
