@@ -719,6 +719,24 @@ def test_gate_rates_summary():
     assert aa["red rate, 95% bound"] == "≤ 97%" and rows["red rate, 95% bound"] == "≥ 14%"
 
 
+def test_gate_rates_swap_scenario_measures_the_same_two_trees_with_their_roles_swapped(tmp_path, monkeypatch):
+    """``aa``: this checkout is the base, an unchanged copy the candidate; ``swap``: the copy is the
+    base (and the judge), this checkout the candidate; both count as unchanged code."""
+    from tests.perf import gate_rates, planted
+
+    copies = []
+    monkeypatch.setattr(planted, "copy_checkout", lambda source, dest: copies.append((source, dest)) or dest)
+    src = tmp_path / "checkout"
+    assert gate_rates.scenario_trees("aa", src, tmp_path) == (src, tmp_path / "aa")
+    assert gate_rates.scenario_trees("swap", src, tmp_path) == (tmp_path / "swap", src)
+    assert copies == [(src, tmp_path / "aa"), (src, tmp_path / "swap")]
+    with pytest.raises(ValueError, match="swap"):
+        gate_rates.scenario_trees("bogus:1", src, tmp_path)
+    unchanged = gate_rates.summarize("swap", [{"status": 1, "wall_s": 1.0, "cases": {}}])
+    assert unchanged["red rate, 95% bound"] == "≤ 100%"
+    assert gate_rates.summarize("mm:0.02", [{"status": 1, "wall_s": 1.0, "cases": {}}])["red rate, 95% bound"] == "≥ 5%"
+
+
 def test_a_count_of_sessions_bounds_the_gates_rate_as_clopper_pearson_does():
     """0 of 6 false alarms bounds the rate under 39%, 10 of 10 detections over 74% (kernels/NOTES.md);
     the bounds hold at their confidence: over many simulated counts of a known rate, the upper bound

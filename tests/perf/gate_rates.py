@@ -3,11 +3,13 @@ slowdowns, one session per GPU at a time, each through the same pytest path as `
 
     python -m tests.perf.gate_rates --out DIR [--repeat N] [-k EXPR] [--isolation per-side|shared] SCENARIO...
 
-SCENARIO is ``aa`` (the candidate is an unchanged copy of this checkout), ``plant:X`` (every
+SCENARIO is ``aa`` (the candidate is an unchanged copy of this checkout), ``swap`` (the same two
+trees with their roles swapped: the copy is the base and the judge, this checkout the candidate; an
+offset that follows the candidate's slot rather than its tree shows in both), ``plant:X`` (every
 launch of its dequantization kernel takes 1 + X times as long, ``tests/perf/planted.py``),
 ``fp32:X`` (the same in the fp32-output builds only) or ``mm:X`` (the fused matmul's kernel),
 optionally with ``*N`` to run it N times instead of ``--repeat``. The base, and the judge, is
-this checkout. Prints one table last and writes ``DIR/gate-rates.json``.
+this checkout (the copy under ``swap``). Prints one table last and writes ``DIR/gate-rates.json``.
 """
 
 from __future__ import annotations
@@ -32,26 +34,37 @@ from . import planted
 
 ROOT = Path(__file__).resolve().parents[2]
 LARGE = "large"
+UNCHANGED = ("aa", "swap")  # scenarios of unchanged code: a red session is a false alarm
+
+
+def scenario_trees(scenario: str, source: Path, tmp: Path) -> tuple[Path, Path]:
+    """The (base, candidate) checkouts of a scenario, built once in ``tmp``."""
+    built = scenario_tree(scenario, source, tmp)
+    return (built, source) if scenario == "swap" else (source, built)
 
 
 def scenario_tree(scenario: str, source: Path, tmp: Path) -> Path:
-    """The candidate checkout of a scenario, built once in ``tmp``."""
+    """The checkout a scenario measures against ``source``, built once in ``tmp``: an unchanged
+    copy (``aa``, and ``swap``'s base) or a planted one."""
     dest = tmp / scenario.replace(":", "-")
-    if scenario == "aa":
+    if scenario in UNCHANGED:
         return planted.copy_checkout(source, dest)
     kind, stretch = scenario.split(":")
     if kind not in ("plant", "fp32", "mm"):
-        raise ValueError(f"unknown scenario {scenario!r}: aa, plant:X, fp32:X or mm:X")
+        raise ValueError(f"unknown scenario {scenario!r}: aa, swap, plant:X, fp32:X or mm:X")
     kernel = "matmul" if kind == "mm" else "dequantize"
     return planted.build(source, dest, float(stretch), only_fp32=kind == "fp32", kernel=kernel)
 
 
-def run_session(gpu: int, candidate: Path, out: Path, k_expr: str | None, isolation: str | None = None) -> dict:
-    """One A/B session (base: this checkout) on one GPU; its exit status, verdicts and wall time."""
+def run_session(
+    gpu: int, trees: tuple[Path, Path], out: Path, k_expr: str | None, isolation: str | None = None
+) -> dict:
+    """One A/B session of (base, candidate) on one GPU; its exit status, verdicts and wall time."""
+    base, candidate = trees
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "pytest", str(ROOT / "tests" / "perf"), "-p", "no:cacheprovider", "-q",
-        "--require-gpu", "--benchmark-only", "--no-references", f"--base-dir={ROOT}",
+        "--require-gpu", "--benchmark-only", "--no-references", f"--base-dir={base}",
         f"--candidate-dir={candidate}", f"--perf-out={out}", f"--benchmark-json={out / 'benchmark.json'}",
         "-k", f"not qlora and ({k_expr})" if k_expr else "not qlora",
         *([f"--isolation={isolation}"] if isolation else []),
@@ -75,7 +88,7 @@ def _bound(scenario: str, red: int, sessions: int) -> str:
     if not sessions:
         return "—"
     lower, upper = rate_bounds(red, sessions)
-    return f"≤ {upper:.0%}" if scenario == "aa" else f"≥ {lower:.0%}"
+    return f"≤ {upper:.0%}" if scenario in UNCHANGED else f"≥ {lower:.0%}"
 
 
 def summarize(scenario: str, sessions: list[dict]) -> dict:
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="nf4-gate-rates-"))
     repeats = {s.split("*")[0]: int(s.split("*")[1]) if "*" in s else args.repeat for s in args.scenarios}
-    trees = {s: scenario_tree(s, ROOT, tmp) for s in repeats}
+    trees = {s: scenario_trees(s, ROOT, tmp) for s in repeats}
     jobs: queue.Queue = queue.Queue()
     for rep in range(max(repeats.values())):
         for s, count in repeats.items():
