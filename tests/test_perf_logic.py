@@ -721,7 +721,7 @@ def test_gate_rates_summary():
 
 def test_gate_rates_swap_scenario_measures_the_same_two_trees_with_their_roles_swapped(tmp_path, monkeypatch):
     """``aa``: this checkout is the base, an unchanged copy the candidate; ``swap``: the copy is the
-    base (and the judge), this checkout the candidate; both count as unchanged code."""
+    base, this checkout the candidate; both count as unchanged code."""
     from tests.perf import gate_rates, planted
 
     copies = []

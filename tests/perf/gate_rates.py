@@ -4,12 +4,13 @@ slowdowns, one session per GPU at a time, each through the same pytest path as `
     python -m tests.perf.gate_rates --out DIR [--repeat N] [-k EXPR] [--isolation per-side|shared] SCENARIO...
 
 SCENARIO is ``aa`` (the candidate is an unchanged copy of this checkout), ``swap`` (the same two
-trees with their roles swapped: the copy is the base and the judge, this checkout the candidate; an
-offset that follows the candidate's slot rather than its tree shows in both), ``plant:X`` (every
+trees with their roles swapped: the copy is the base, this checkout the candidate; an offset that
+follows the candidate's slot rather than its tree shows in both), ``plant:X`` (every
 launch of its dequantization kernel takes 1 + X times as long, ``tests/perf/planted.py``),
 ``fp32:X`` (the same in the fp32-output builds only) or ``mm:X`` (the fused matmul's kernel),
-optionally with ``*N`` to run it N times instead of ``--repeat``. The base, and the judge, is
-this checkout (the copy under ``swap``). Prints one table last and writes ``DIR/gate-rates.json``.
+optionally with ``*N`` to run it N times instead of ``--repeat``. The judge is always this
+checkout's, and so is the base but under ``swap``. Prints one table last and writes
+``DIR/gate-rates.json``.
 """
 
 from __future__ import annotations
