@@ -417,10 +417,6 @@ __device__ __forceinline__ int first_feature(unsigned tid) {
     return (blockIdx.x * MM_WARPS + (tid >> 5)) * 16 + ((tid & 31) >> 2);
 }
 
-#if MM_FEW_ROWS
-#include "matmul_4bit_one_row.cuh"
-#endif
-
 // Grid: x = groups of MM_WARPS * 16 features, y = splits of K (each steps_per_split steps of 256 k),
 // z = tiles of MM_TOKENS tokens. With one split the block writes out (+ bias) itself; with more,
 // launched as clusters of the splits (sm_90 on), the cluster adds them (add_splits_in_cluster);
@@ -437,12 +433,6 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     auto& s_act = *reinterpret_cast<uint4(*)[ACT_STAGES][ACT_TILE_SLOTS]>(s_dynamic + PAIR_TABLE_BYTES);
 #endif
     MM_SCALES_PROLOGUE;
-#if MM_FEW_ROWS
-    if (one_row_takes(M, N, K, bs_log2, bs2_log2, absmax)) {
-        one_row(A, W, absmax, absmax2, s_code2, offset, partial, bias, out, N, K, bs2_log2, steps_per_split, s_pairs);
-        return;
-    }
-#endif
 
     float acc[NT8][4];
 #pragma unroll

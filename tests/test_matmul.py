@@ -487,6 +487,44 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     assert_bit_exact(out, expected, f"one-hot {arithmetic} {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
 
 
+# Columns where a one-row call's lanes, blocks and steps meet: both 32-k halves of a block, a 256-k
+# step's four blocks, a step boundary, the first and last k.
+_ONE_ROW_COLUMNS = (0, 31, 32, 63, 64, 127, 191, 255, 256, 2047)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("quant_type", "dtype"), list(itertools.product(["nf4", "fp4"], DTYPES)), ids=str)
+@pytest.mark.parametrize(
+    ("K", "code_shift"), [(2048, 0), (2048, 1), (2048 + 128, 0)], ids=["k2048", "codes-odd", "k2176"]
+)
+def test_one_row_calls_give_the_emulated_bits_at_every_block_and_step_boundary(
+    cuda, run_seed, quant_type, dtype, K, code_shift
+):
+    """One-hot rows at the columns where lanes, blocks and steps meet (and 16 random ones), one
+    call of one row each (the few-rows build), give round(fp32(scale * round(code))) for all 200
+    features (the last block's features past N clamped), also with the scale codes at an odd
+    address (the kernel reads them a byte at a time) and K % 256 != 0; a random row stays in the
+    fp64 bound. (The one-hot matrix above draws one column a row.)"""
+    N = 200
+    B, qs, W = _weights(N, K, quant_type, 64, True, dtype, run_seed, cuda)
+    if code_shift:  # the same codes one byte further on
+        moved = torch.empty(qs.absmax.numel() + code_shift, dtype=qs.absmax.dtype, device=cuda)[code_shift:]
+        qs.absmax = moved.copy_(qs.absmax)
+        assert qs.absmax.data_ptr() % 2 == 1
+    expected = mr.one_hot_weights("scaled-sums", B, qs, W)
+    g = torch.Generator().manual_seed(run_seed)
+    columns = [c for c in _ONE_ROW_COLUMNS if c < K] + torch.randint(0, K, (16,), generator=g).tolist()
+    for c in columns:
+        A = torch.zeros(1, K, dtype=dtype, device=cuda)
+        A[0, c] = 1.0
+        out = poison_(torch.empty(1, N, dtype=dtype, device=cuda))
+        matmul.fused_matmul(A, B.t(), qs, out=out)
+        assert_bit_exact(out[0], expected[:, c].contiguous(), f"one-hot column {c}, K={K}, codes +{code_shift}")
+    R = torch.randn(1, K, generator=cases.seeded_generator(run_seed, cuda), device=cuda).to(dtype)
+    judged = mr.judge(matmul.fused_matmul(R, B.t(), qs), mr.fused_reference(R, B, qs, W, None, dtype))
+    assert judged.ok, judged
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("quant_type", "dtype", "blocksize", "nested"),
