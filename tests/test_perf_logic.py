@@ -1046,3 +1046,119 @@ def test_a_measuring_process_keeps_the_judges_checkout_on_its_path_with_pythonsa
     run = subprocess.run([*probe, "x"], cwd=cwd, env=env | {"PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == str(session.JUDGE_ROOT)
+
+
+def test_an_ab_session_times_its_sides_in_two_shared_processes_that_load_them_in_opposite_orders(tmp_path):
+    """``session.arrangements``: shared, an A/B session starts policy.SHARED_PROCESSES processes, the
+    first loading the base's modules first, the second the candidate's; a session of one side, or a
+    process per side, is one arrangement as before. Each arrangement times every side once."""
+    from harness.perf import session
+
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    roots = {"base": base, "candidate": cand}
+    shared = session.arrangements(roots, policy.Isolation.SHARED)
+    assert policy.SHARED_PROCESSES == 2
+    assert shared == [[{"base": base, "candidate": cand}], [{"candidate": cand, "base": base}]]
+    assert [list(groups[0]) for groups in shared] == [["base", "candidate"], ["candidate", "base"]]
+    assert session.arrangements({"candidate": cand}, policy.Isolation.SHARED) == [[{"candidate": cand}]]
+    assert session.arrangements(roots, policy.Isolation.PER_SIDE) == [[{"base": base}, {"candidate": cand}]]
+    for groups in (*shared, *session.arrangements(roots, policy.Isolation.PER_SIDE)):
+        assert sorted(name for group in groups for name in group) == ["base", "candidate"]
+    keys = {session.evidence_key(side, i) for side in roots for i in range(policy.SHARED_PROCESSES)}
+    assert len(keys) == 2 * policy.SHARED_PROCESSES and session.evidence_key("base", 0) == "base"
+
+
+def test_rounds_alternate_between_the_arrangements_two_at_a_time_so_each_gets_both_abba_orders():
+    from harness.perf import session
+
+    assert [session.round_arrangement(i, 1) for i in range(8)] == [0] * 8
+    picks = [session.round_arrangement(i, 2) for i in range(16)]
+    assert picks == [0, 0, 1, 1] * 4
+    for start in range(0, 16, 4):  # any 4 rounds from an even start: 2 each, both orders (index % 2) each
+        for a in (0, 1):
+            assert sorted(i % 2 for i in range(start, start + 4) if picks[i] == a) == [0, 1]
+
+
+@pytest.mark.parametrize("offset", [0.011, -0.012])
+def test_a_place_offset_one_process_gives_the_candidate_the_mirrored_process_takes_back(run_seed, offset):
+    """The false alarm the mirrored processes remove, with the gate's own statistics: unchanged
+    code whose modules land so that, in one process, the side loaded second runs ``offset`` slower
+    (measured up to 1.1% on H100s), with 0.1% round noise. One process: SLOWER or FASTER, a false
+    alarm. Two mirrored ones, rounds alternating as the session alternates them: no verdict of a
+    change; after the rounds an undecided case gets (8 -> 32) it is SAME."""
+    from harness.perf import session
+
+    rng = random.Random(run_seed)
+    large = policy.size_class(10**9)
+
+    def rounds(count: int, arrangements: int) -> PairedRatio:
+        base, cand = [], []
+        for i in range(count):
+            second = "candidate" if session.round_arrangement(i, arrangements) == 0 else "base"
+            times = {
+                s: 20e-6 * (1 + rng.gauss(0, 0.001)) * (1 + offset if s == second else 1) for s in ("base", "candidate")
+            }
+            base.append(times["base"])
+            cand.append(times["candidate"])
+        return PairedRatio.from_rounds(base, cand)
+
+    one = gate.judge({"o": (rounds(8, 1), large)})["o"].verdict
+    assert one in (gate.Verdict.SLOWER, gate.Verdict.FASTER)
+    mirrored = [gate.judge({"o": (rounds(n, 2), large)})["o"].verdict for n in (8, 32)]
+    assert gate.Verdict.SLOWER not in mirrored and gate.Verdict.FASTER not in mirrored
+    assert mirrored[-1] is gate.Verdict.SAME
+
+
+class _RecordedProcess:
+    """A stand-in measuring process that records what the session asks of it."""
+
+    def __init__(self, group, events, fail_on=None):
+        self.name, self.events, self.fail_on = "+".join(group), events, fail_on
+        events.append(("start", self.name))
+
+    def call(self, op, **kwargs):
+        self.events.append((op, self.name))
+        if op == self.fail_on:
+            raise RuntimeError(f"{self.name} failed at {op}")
+        return {}
+
+    def close(self):
+        self.events.append(("close", self.name))
+
+
+@pytest.mark.parametrize("isolation", list(policy.Isolation))
+def test_every_measuring_process_starts_before_any_loads_a_side(tmp_path, isolation):
+    """``session.start_arrangements``: a side's code may edit files, so no measuring process may
+    import a judge module after it runs: every process starts (importing all its judge code) before
+    the first is asked to load its sides, then each loads them; the arrangements map every side."""
+    from harness.perf import session
+
+    roots = {"base": tmp_path / "base", "candidate": tmp_path / "cand"}
+    events = []
+    placed = session.start_arrangements(
+        session.arrangements(roots, isolation), lambda group: _RecordedProcess(group, events)
+    )
+    ops = [op for op, _ in events]
+    processes = ops.count("start")
+    assert processes == (policy.SHARED_PROCESSES if isolation is policy.Isolation.SHARED else 2)
+    assert ops == ["start"] * processes + ["load_sides"] * processes
+    assert all(sorted(a) == ["base", "candidate"] for a in placed)
+    if isolation is policy.Isolation.SHARED:
+        assert [a["base"].name for a in placed] == ["base+candidate", "candidate+base"]
+
+
+def test_a_process_that_fails_to_load_its_sides_closes_every_started_one(tmp_path):
+    from harness.perf import session
+
+    roots = {"base": tmp_path / "base", "candidate": tmp_path / "cand"}
+    events = []
+    with pytest.raises(RuntimeError, match="candidate\\+base failed at load_sides"):
+        session.start_arrangements(
+            session.arrangements(roots, policy.Isolation.SHARED),
+            lambda group: _RecordedProcess(
+                group,
+                events,
+                fail_on="load_sides" if next(iter(group)) == "candidate" else None,
+            ),
+        )
+    assert sorted(name for op, name in events if op == "close") == ["base+candidate", "candidate+base"]

@@ -62,6 +62,15 @@ class Isolation(enum.Enum):
 # of the other's timing, but not a side's code out of its own, so it buys no protection against
 # a candidate written to cheat (.github/SECURITY.md).
 ISOLATION = Isolation.SHARED
+# Where a kernel's module lands in the GPU's memory moves its time: the same cubin loaded as six
+# modules in one process timed up to 0.75% apart, instance by instance, the same pattern in a second
+# process (H100, the o weight 8192x8192 at 1 and 8 rows; kernels/NOTES.md, "Where a module lands").
+# In one shared process the sides' modules always land in the same order, so one side carried a fixed
+# offset: unchanged code was SLOWER on H100s (o at one row, +1.1%, in 2 of 2 sessions). So an A/B
+# session shares its sides between this many processes, the first loading the base's modules first,
+# the next the candidate's, rounds alternating between them two at a time: each side is timed in
+# both places, and the offset one process gives a side's ratio the other takes back.
+SHARED_PROCESSES = 2
 
 # No timed call can move its bytes faster than the same session's device copy; one that seems to
 # by more than this factor did its work outside the timed region, and its batch is rejected.

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,56 @@ def import_late_modules() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def arrangements(roots: dict[str, Path], isolation: policy.Isolation) -> list[list[dict[str, Path]]]:
+    """The measuring processes of a session, as arrangements: each a list of processes (the sides
+    each loads, in the order their modules load) that together time every side once. Per side: one
+    arrangement of a process per side. Shared: one process for all, and in an A/B session
+    ``policy.SHARED_PROCESSES`` of them, each loading the sides in the order the one before it
+    loads them rotated by one (two sides: the base first, then the candidate first)."""
+    if isolation is policy.Isolation.PER_SIDE:
+        return [[{name: root} for name, root in roots.items()]]
+    names = list(roots)
+    count = policy.SHARED_PROCESSES if len(names) > 1 else 1
+    return [[{n: roots[n] for n in names[i % len(names) :] + names[: i % len(names)]}] for i in range(count)]
+
+
+def start_arrangements(
+    planned: list[list[dict[str, Path]]], start: Callable[[dict[str, Path]], Worker]
+) -> list[dict[str, Worker]]:
+    """Start the measuring processes of ``planned`` (``arrangements``), and only once every one has
+    started, each having imported all of its judge code, have each load its sides (``load_sides``,
+    in the order started): no process imports a judge module after a side's code has run. Each
+    arrangement as a map from side to the process that times it. On a failure every started process
+    is closed."""
+    started: list[Worker] = []
+    try:
+        placed = []
+        for groups in planned:
+            arrangement: dict[str, Worker] = {}
+            for group in groups:
+                started.append(worker := start(group))
+                arrangement |= dict.fromkeys(group, worker)
+            placed.append(arrangement)
+        for worker in started:
+            worker.call("load_sides")
+        return placed
+    except BaseException:
+        for worker in started:
+            worker.close()
+        raise
+
+
+def round_arrangement(index: int, count: int) -> int:
+    """The arrangement that times round ``index`` of a case among ``count``: two rounds each in turn,
+    so each gets both of the ABBA orders (``PerfSession._order``) alike."""
+    return (index // 2) % count
+
+
+def evidence_key(side: str, arrangement: int) -> str:
+    """The name a side's evidence buffer is lent under in an arrangement (each process its own)."""
+    return side if arrangement == 0 else f"{side}@{arrangement}"
 
 
 class WorkerError(RuntimeError):
@@ -210,35 +261,51 @@ class PerfSession:
         self.judge_changed: list[str] = []
         # The base first: in a dequantization case its prepared outputs are the bits to match.
         roots = ({"base": self.base_root} if self.base_root else {}) | {"candidate": self.candidate_root}
-        groups = [roots] if isolation is policy.Isolation.SHARED else [{n: r} for n, r in roots.items()]
-        self.workers: dict[str, Worker] = {}  # side -> its measuring process
+        # Each arrangement maps every side to the process that times it, in the order its modules load.
+        self.arrangements: list[dict[str, Worker]] = []
         try:
-            for group in groups:
-                worker = Worker(group, self._process_cache(group))
-                self.workers |= dict.fromkeys(group, worker)
+            self.arrangements = start_arrangements(
+                arrangements(roots, isolation), lambda group: Worker(group, self._process_cache(group))
+            )
         except BaseException:
             self.close()
             raise
+        self.workers = self.arrangements[0]  # where the host overheads and the end-to-end step are timed
 
     @property
     def processes(self) -> list[Worker]:
-        return list({id(w): w for w in self.workers.values()}.values())
+        return list({id(w): w for a in self.arrangements for w in a.values()}.values())
 
     def _process_cache(self, group: dict[str, Path]) -> Path:
         """The measuring process's own compile cache, with a directory for each of its sides
         (``worker.load_sides``), each seeded from this machine's before any side's process starts:
-        nothing one process or side writes into its cache reaches another's."""
+        nothing one process or side writes into its cache reaches another's. A side in a second
+        shared process (``policy.SHARED_PROCESSES``) shares its first process's directory: the
+        same side's kernels, compiled once."""
         cache, seed = Path(self._tmp) / f"{'-'.join(group)}-cache", jit.cache_dir()
         for name in group:
-            if seed.is_dir():
+            if (first := self._side_cache(name)) is not None:
+                cache.mkdir(parents=True, exist_ok=True)
+                (cache / name).symlink_to(first, target_is_directory=True)
+            elif seed.is_dir():
                 shutil.copytree(seed, cache / name, symlinks=True)
             else:
                 (cache / name).mkdir(parents=True)
         return cache
 
+    def _side_cache(self, name: str) -> Path | None:
+        """The compile cache directory of ``name`` in a process started earlier, if any."""
+        found = sorted(Path(self._tmp).glob(f"*-cache/{name}"))
+        return next((p for p in found if not p.is_symlink()), None)
+
     @property
     def ab(self) -> bool:
         return self.base_root is not None
+
+    def _arrangement(self, index: int) -> tuple[int, dict[str, Worker]]:
+        """(its position, the arrangement) that times round ``index`` (``round_arrangement``)."""
+        i = round_arrangement(index, len(self.arrangements))
+        return i, self.arrangements[i]
 
     def _order(self, index: int) -> tuple[str, ...]:
         if not self.ab:
@@ -252,9 +319,10 @@ class PerfSession:
         are what the case demands."""
         self._stage = stage.Stage(case.spec(self.seed), self.device, self.timer.flush_buffer)
         agree = True
-        for name, worker in self.workers.items():
-            worker.call("kernel_case", side=name, lent=self._stage.lend(name))
-            agree = self._stage.check_prepared(name) and agree
+        for i, arrangement in enumerate(self.arrangements):
+            for name, worker in arrangement.items():  # in this arrangement's load order
+                worker.call("kernel_case", side=name, lent=self._stage.lend(evidence_key(name, i)))
+                agree = self._stage.check_prepared(evidence_key(name, i)) and agree
         return agree
 
     def _rounds(self, result: KernelResult, count: int) -> None:
@@ -262,13 +330,14 @@ class PerfSession:
         start = len(result.cand_rounds_s)
         for index in range(start, start + count):
             batch: dict[str, list[float]] = {"base": [], "candidate": []}
+            at, arrangement = self._arrangement(index)
             for side in self._order(index):
                 plan = stage.BatchPlan.draw(self._rng, self.schedule.samples)
-                reply = self.workers[side].call(
+                reply = arrangement[side].call(
                     "measure", side=side, samples=self.schedule.samples, variants=plan.variants, checked=plan.checked
                 )
                 batch[side] += reply["samples_s"]
-                if not self._stage.check_batch(side, plan):
+                if not self._stage.check_batch(evidence_key(side, at), plan):
                     result.rejected_batches.append(f"round {index}, {side}: output")
                 if min(reply["samples_s"]) < fastest_s:
                     result.rejected_batches.append(f"round {index}, {side}: faster than the roofline")
@@ -309,6 +378,11 @@ class PerfSession:
         torch.cuda.empty_cache()
 
     # -- end-to-end -------------------------------------------------------------------------------
+    @property
+    def _e2e_processes(self) -> list[Worker]:
+        """The first arrangement's processes: the report-only step is not timed in the others."""
+        return list({id(w): w for w in self.workers.values()}.values())
+
     def measure_e2e(self) -> E2EResult:
         """The QLoRA step on both sides, ABBA rounds of wall-timed steps. Report-only."""
         from harness.correctness import qlora
@@ -317,7 +391,7 @@ class PerfSession:
         result = E2EResult(E2E_STEP)
         try:
             qlora.save_random_llama(checkpoint)
-            for worker in self.processes:
+            for worker in self._e2e_processes:
                 worker.call("e2e_prepare", checkpoint=checkpoint)
             for index in range(self.schedule.e2e_rounds):
                 batch: dict[str, list[float]] = {"base": [], "candidate": []}
@@ -329,7 +403,7 @@ class PerfSession:
                 if self.ab:
                     result.base_rounds_s.append(statistics.median(batch["base"]))
         finally:
-            for worker in self.processes:
+            for worker in self._e2e_processes:
                 worker.call("e2e_release")
             shutil.rmtree(checkpoint, ignore_errors=True)
         self.e2e[result.case] = result

@@ -1,8 +1,9 @@
 """A measuring process, driven over a pipe by the judge's ``harness.perf.session``.
 
 Started as ``python -m harness.perf.worker --side NAME=DIR [--side NAME=DIR]`` with the judge's
-checkout first on the import path: it loads the judge's timer, then each side's own ``harness``
-(``sides.Side``), and times a side's drop-in on the inputs the judge lends it
+checkout first on the import path: it loads the judge's timer and the rest of the judge's code,
+then, asked (``load_sides``, once every measuring process of the session has started), each side's
+own ``harness`` (``sides.Side``), and times a side's drop-in on the inputs the judge lends it
 (``harness.perf.stage``), or its ``patch_bitsandbytes`` in the end-to-end step. The judge runs one
 such process per side, or one for both (``policy.Isolation``): in a process of its own, nothing a
 side's code does to its process (a global, a torch setting, a stream, the allocator) reaches the
@@ -31,19 +32,32 @@ class Worker:
     def __init__(self, side_roots: dict[str, Path]):
         import torch
 
-        # The judge's code, loaded before any side's.
+        # The judge's code, all of it, loaded before any side's.
+        from harness import settings
         from harness.correctness import qlora
         from harness.correctness.bitcompare import poison_
-        from harness.perf import gpu_info, gpu_timer, stage
+        from harness.perf import gpu_info, gpu_timer, sides, stage
 
         self.torch, self.qlora, self.poison_, self.gpu_timer, self.stage = torch, qlora, poison_, gpu_timer, stage
         self.device = torch.device("cuda", torch.cuda.current_device())
         clock = gpu_info.sm_clock_reader(gpu_info.nvml_device(self.device.index))
         self.timer = gpu_timer.ColdL2Timer(self.device, clock=clock)
         self.own_flush = self.timer.flush_buffer  # replaced by the judge's while a case is lent
-        self.sides = load_sides(side_roots)
+        del settings, sides  # imported now: load_sides runs later, when a side's code may have run
+        self._side_roots = side_roots
+        self.sides: dict = {}  # op_load_sides
         self.lent: dict[str, object] = {}
         self.e2e = None
+
+    def op_load_sides(self) -> dict:
+        """Load the sides. The session asks once every one of its measuring processes has started,
+        each with all of its judge code imported: a side's code may edit files, and no process may
+        import a judge module after any side's code has run (the edit is caught when the session
+        ends; an edited module imported by a later process would not be)."""
+        if self.sides:
+            raise RuntimeError("the sides are loaded once")
+        self.sides = load_sides(self._side_roots)
+        return {}
 
     # -- kernel cases ---------------------------------------------------------------------------
     def _call(self, side: str):
@@ -160,7 +174,7 @@ def load_sides(side_roots: dict[str, Path]) -> dict:
     (``jit.pin_paths``): its own ``kernels/`` and a cache directory of its own under this process's,
     so that no side's code, whatever it does to the environment, redirects another side's compiles
     or hands it compiled kernels."""
-    from harness import settings
+    from harness import settings  # the judge's, imported when the process started (``Worker``)
     from harness.perf import sides
 
     cache = Path(settings.CACHE_DIR.get() or Path.cwd() / "cache")

@@ -155,6 +155,8 @@ def _adversarial_edit_judge():
     for base in bases:
         source = pathlib.Path(base) / "kernels" / "dequantize_4bit.cu"
         original = source.read_text()
+        if "PLANTED_STRETCH" in original:  # a sibling measuring process planted it first
+            continue
         source.write_text(planted.planted_source(original, 0.5))
         atexit.register(source.write_text, original)
 
