@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +128,11 @@ def start_arrangements(
         for worker in started:
             worker.close()
         raise
+
+
+def distinct(workers: Iterable[Worker]) -> list[Worker]:
+    """Each process once (a shared process times several sides), in first-seen order."""
+    return list({id(w): w for w in workers}.values())
 
 
 def round_arrangement(index: int, count: int) -> int:
@@ -274,7 +279,7 @@ class PerfSession:
 
     @property
     def processes(self) -> list[Worker]:
-        return list({id(w): w for a in self.arrangements for w in a.values()}.values())
+        return distinct(w for a in self.arrangements for w in a.values())
 
     def _process_cache(self, group: dict[str, Path]) -> Path:
         """The measuring process's own compile cache, with a directory for each of its sides
@@ -381,7 +386,7 @@ class PerfSession:
     @property
     def _e2e_processes(self) -> list[Worker]:
         """The first arrangement's processes: the report-only step is not timed in the others."""
-        return list({id(w): w for w in self.workers.values()}.values())
+        return distinct(self.workers.values())
 
     def measure_e2e(self) -> E2EResult:
         """The QLoRA step on both sides, ABBA rounds of wall-timed steps. Report-only."""
