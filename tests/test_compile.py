@@ -82,10 +82,9 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
     # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row; the
-    # pair-table one gives a row of 32 16-byte pieces room for 4 of padding: the same bytes; its
-    # few-rows build room for 6 (a slot every 8 pieces, rows 38 slots apart: compute_pair_columns).
+    # pair-table one gives a row of 32 16-byte pieces room for 4 of padding: the same bytes.
     if source in (matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_M8_PAIRS):
-        activations += activations * (6 if variant.few_rows else 4) // 32
+        activations += activations // 8
     if source == matmul_kernel.SOURCE_SM90:  # 8 slices of 16 k, each padded by 16 bytes, from a 128-byte boundary
         activations = 2 * 8 * (variant.tokens * 16 * 2 + 16)
         tables = -(-tables // 128) * 128

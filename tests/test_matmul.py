@@ -754,39 +754,6 @@ def test_16_byte_loads_leave_each_lane_16_k_of_both_chunks_at_its_run_position(r
         assert (first, second) == (pair[at : at + 8], pair[32 + at : 32 + at + 8]), t
 
 
-@pytest.mark.parametrize(("M", "N", "K"), [(1, 40, 256), (2, 24, 384), (2, 16, 640)])
-def test_the_few_rows_columns_path_places_every_weight_and_chunk_once(run_seed, M, N, K):
-    """kernels/matmul_4bit_m8_pairs.cu's few-rows build with 16-byte loads (compute_pair_columns,
-    columns_to_tokens): each lane's runs as loaded, an mma's column 2m + s fed row m of chunk s by the
-    lanes of that chunk, each column scaled by its chunk's scale, then gathered for the epilogue, as
-    tests/matmul_lanes.py transcribes them from the source, must compute A · Wᵀ with one scale per
-    64 k (K = 640 ends in a partial step; N = 24, 40: features past N)."""
-    from tests import matmul_lanes
-
-    A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
-    chunk_scales = scales[:, 0::2]  # this path's blocks hold 64 or more
-    W = W / scales.repeat_interleave(32, dim=1) * chunk_scales.repeat_interleave(64, dim=1)
-    got = matmul_lanes.emulate_pair_columns(A, packed, chunk_scales, code, N, K)
-    torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
-
-
-def test_the_columns_path_reads_and_writes_the_activation_tile_without_bank_conflicts():
-    """In the few-rows build with 16-byte loads, the lanes that read the tile (4 a row) hit
-    different 16-byte bank groups for every word of every chunk pair, at each row count the build
-    runs, and stage_activations' writes of a row's consecutive pieces hit 8 groups a quarter warp."""
-    from tests import matmul_lanes as ml
-
-    row_chunks = matmul_kernel.STEP_K_M8 // 8
-    for rows in range(1, matmul_kernel.FEW_ROWS + 1):
-        firsts = [f for lane in range(32) if (f := ml.columns_first_slot(lane, rows)) is not None]
-        assert len(firsts) == 4 * rows
-        for c, j in itertools.product(range(0, matmul_kernel.STEP_K_M8 // 64, 2), range(4)):
-            assert len({(f + ml._COLS_OFFSET(c, j)) % 8 for f in firsts}) == len(firsts), (rows, c, j)
-    for r in range(8):
-        slots = [ml.COLS_SLOT(r, p, row_chunks) for p in range(row_chunks)]
-        assert all(len(groups) == 8 for groups in ml.bank_groups_of_quarter_warps(slots)), r
-
-
 def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_seed):
     """kernels/matmul_4bit_m8_pairs.cu's lookup: for any packed word, lane l's address for byte b holds
     that byte's entry, in bank l (a warp's 32 lookups never conflict), inside the table; and the
