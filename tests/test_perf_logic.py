@@ -1162,3 +1162,24 @@ def test_a_process_that_fails_to_load_its_sides_closes_every_started_one(tmp_pat
             ),
         )
     assert sorted(name for op, name in events if op == "close") == ["base+candidate", "candidate+base"]
+
+
+def test_each_process_gets_a_compile_cache_per_side_seeded_once_and_shared_by_the_sides_second_process(
+    tmp_path, monkeypatch
+):
+    """``PerfSession._process_cache``: a side's first process gets a copy of this machine's cache;
+    its second (the mirrored arrangement) a link to that same directory, never a second copy."""
+    from harness.perf import session
+
+    seed = tmp_path / "seed"
+    (seed / "k").mkdir(parents=True)
+    (seed / "k" / "a.cubin").write_bytes(b"x")
+    monkeypatch.setenv("NF4_HARNESS_CACHE_DIR", str(seed))
+    run = session.PerfSession.__new__(session.PerfSession)
+    run._tmp, run._side_caches = str(tmp_path / "run"), {}
+    first = run._process_cache({"base": tmp_path, "candidate": tmp_path})
+    second = run._process_cache({"candidate": tmp_path, "base": tmp_path})
+    assert first != second
+    for name in ("base", "candidate"):
+        assert not (first / name).is_symlink() and (first / name / "k" / "a.cubin").read_bytes() == b"x"
+        assert (second / name).is_symlink() and (second / name).resolve() == (first / name).resolve()

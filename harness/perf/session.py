@@ -268,6 +268,7 @@ class PerfSession:
         roots = ({"base": self.base_root} if self.base_root else {}) | {"candidate": self.candidate_root}
         # Each arrangement maps every side to the process that times it, in the order its modules load.
         self.arrangements: list[dict[str, Worker]] = []
+        self._side_caches: dict[str, Path] = {}  # side -> its compile cache, made for its first process
         try:
             self.arrangements = start_arrangements(
                 arrangements(roots, isolation), lambda group: Worker(group, self._process_cache(group))
@@ -289,19 +290,16 @@ class PerfSession:
         same side's kernels, compiled once."""
         cache, seed = Path(self._tmp) / f"{'-'.join(group)}-cache", jit.cache_dir()
         for name in group:
-            if (first := self._side_cache(name)) is not None:
+            if name in self._side_caches:
                 cache.mkdir(parents=True, exist_ok=True)
-                (cache / name).symlink_to(first, target_is_directory=True)
-            elif seed.is_dir():
+                (cache / name).symlink_to(self._side_caches[name], target_is_directory=True)
+                continue
+            if seed.is_dir():
                 shutil.copytree(seed, cache / name, symlinks=True)
             else:
                 (cache / name).mkdir(parents=True)
+            self._side_caches[name] = cache / name
         return cache
-
-    def _side_cache(self, name: str) -> Path | None:
-        """The compile cache directory of ``name`` in a process started earlier, if any."""
-        found = sorted(Path(self._tmp).glob(f"*-cache/{name}"))
-        return next((p for p in found if not p.is_symlink()), None)
 
     @property
     def ab(self) -> bool:
