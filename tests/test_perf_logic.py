@@ -1079,13 +1079,17 @@ def test_rounds_alternate_between_the_arrangements_two_at_a_time_so_each_gets_bo
             assert sorted(i % 2 for i in range(start, start + 4) if picks[i] == a) == [0, 1]
 
 
-@pytest.mark.parametrize("offset", [0.011, -0.012])
+@pytest.mark.parametrize("offset", [0.013, -0.013])
 def test_a_place_offset_one_process_gives_the_candidate_the_mirrored_process_takes_back(run_seed, offset):
     """The false alarm the mirrored processes remove, with the gate's own statistics: unchanged
     code whose modules land so that, in one process, the side loaded second runs ``offset`` slower
-    (measured up to 1.1% on H100s), with 0.1% round noise. One process: SLOWER or FASTER, a false
+    (up to 1.1% measured on H100s), with 0.1% round noise. One process: SLOWER or FASTER, a false
     alarm. Two mirrored ones, rounds alternating as the session alternates them: no verdict of a
-    change; after the rounds an undecided case gets (8 -> 32) it is SAME."""
+    change; after the rounds an undecided case gets (8 -> 32) it is SAME.
+
+    The offset is 1.3%, not the measured 1.1%: 1.1% sits 2 noise deviations above the 1% threshold,
+    so one process reads AMBIGUOUS on 2% of seeds and the test would be a coin toss; at 1.3% every
+    one of 20,000 seeds gave the verdicts asserted here."""
     from harness.perf import session
 
     rng = random.Random(run_seed)
