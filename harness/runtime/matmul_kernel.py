@@ -294,6 +294,18 @@ PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with c
 # cases of four other models' weights from 1.056x to 1.031x, none slower (kernels/NOTES.md).
 LARGE_CLUSTER_BLOCKS_PER_SM = 6
 LARGE_CLUSTER_STEPS = 5
+# Under the waves rule (the pair-table kernel's) clusters of any size pay where the grid runs in one
+# wave, however many steps a split runs (unless the clustered pair runs no more steps on the busiest
+# SM), and past the splits' cap clustered splits (no partial sums) may run down to a single step
+# while the grid holds at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM. Replayed on the recorded
+# sweeps of 30 weights at 1, 8 and 16 rows, the rule's picks went from 1.035x the fastest grid to
+# 1.012x on the H200's (geometric mean of 90 cases; held-out models' weights 1.037 -> 1.011) and from
+# 1.043x to 1.015x on the H100's (held-out 1.046 -> 1.016); of the 27 picks that changed on each,
+# none slower by more than 2.3%: the small weights' fastest grids are 10-16 clustered splits of 1-2
+# steps (qwen2.5-7b's k 512x3584: 14 of one step, 14-17% faster than 4 of 4), the mid weights' 4-8
+# clustered splits of 7-14 (kernels/NOTES.md, "The waves rule's clusters refit on the recorded sweeps").
+WAVES_CLUSTER_STEPS = 1
+CLUSTER_PAST_CAP_BLOCKS_PER_SM = 2
 # A split runs at least this many steps: its first loads (a memory latency before any decode)
 # are paid once per split. Splits of 2 steps left the 1024x8192 weight 14.8 µs at one row, of 4
 # 13.4 (same notes). The 8-token kernel's splits of 3 steps, added in clusters, were the fastest
@@ -346,7 +358,8 @@ def grid_for(
     ``CLUSTER_PAIR_STEPS``.
 
     With fewer blocks an SM, or by their rule (``WAVES``), they take the split of the waves rule
-    (``waves_grid``) with the fewest waves times steps; at ``BUSIEST_SM_BLOCKS`` or more, where that
+    (``waves_grid``) with the fewest waves times steps, where splits added in a cluster may pass
+    the cap and run down to ``WAVES_CLUSTER_STEPS`` steps; at ``BUSIEST_SM_BLOCKS`` or more, where that
     grid is not clustered, two splits (clustered where they fit) take its place if their busiest SM
     runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
@@ -381,10 +394,22 @@ def grid_for(
         return pair_n == 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
 
     if tokens in WAVES_WIDE_TILES or (tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS)):
-        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, cap + 1))
-        grid = min(options, key=lambda option: option[0])[1]
+        # Past the cap, only grids whose splits a cluster adds (no partial sums), down to
+        # WAVES_CLUSTER_STEPS steps, and at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM.
+        most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
+        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, most + 1))
+        allowed = (
+            o
+            for o in options
+            if o[1].splits <= cap or (o[1].clustered and o[1].splits * units <= CLUSTER_PAST_CAP_BLOCKS_PER_SM * sms)
+        )
+        grid = min(allowed, key=lambda option: option[0])[1]
         n = grid.splits
-        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and not grid.clustered and pair_no_slower(n)
+        # The pair also replaces clusters that only the waves rule's one-wave allowance admits.
+        replaceable = not grid.clustered or not clusters_fit(
+            units, n, grid.steps_per_split, blocks_per_sm, sms, max_clusters
+        )
+        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and replaceable and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
@@ -408,24 +433,34 @@ def waves_grid(
     one would be empty): the grid of the smallest (cost, splits) is taken, the fewest splits on a tie."""
     per_split = -(-steps // splits)
     n, units = -(-steps // per_split), groups * tiles
-    clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters)
+    clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters, waves_rule=True)
     waves = -(-units * n // (blocks_per_sm * sms))
     cost = waves * (per_split + WAVE_STEPS) + (FINISH_STEPS if n > 1 and not clustered else 0)
     return (cost, n), Grid((groups, n, tiles), per_split, clustered)
 
 
 def clusters_fit(
-    units: int, splits: int, steps_per_split: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
+    units: int,
+    splits: int,
+    steps_per_split: int,
+    blocks_per_sm: int,
+    sms: int,
+    max_clusters: tuple[int, ...],
+    waves_rule: bool = False,
 ) -> bool:
     """Whether ``units`` clusters of ``splits`` blocks (one per feature group and token tile) pay:
     clusters of 2, or of more where the grid has at most a block an SM, or at most
-    ``LARGE_CLUSTER_BLOCKS_PER_SM`` with splits of at most ``LARGE_CLUSTER_STEPS`` steps; and only
-    where they run in as many waves as their blocks would on their own."""
+    ``LARGE_CLUSTER_BLOCKS_PER_SM`` with splits of at most ``LARGE_CLUSTER_STEPS`` steps (under the
+    waves rule, ``waves_rule``: where the grid runs in one wave); and only where they run in as
+    many waves as their blocks would on their own."""
     if not 1 < splits < len(max_clusters) or not max_clusters[splits]:
         return False
     blocks = units * splits
     if splits > 2 and blocks > sms:
-        if blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or steps_per_split > LARGE_CLUSTER_STEPS:
+        if waves_rule:
+            if blocks > blocks_per_sm * sms:
+                return False
+        elif blocks > LARGE_CLUSTER_BLOCKS_PER_SM * sms or steps_per_split > LARGE_CLUSTER_STEPS:
             return False
     return -(-units // max_clusters[splits]) <= -(-blocks // (blocks_per_sm * sms))
 
