@@ -242,9 +242,9 @@ def test_at_16_rows_the_grid_follows_the_waves_with_3_blocks_an_sm_and_the_busie
         (5120, 8192, (5, 7, True), (8, 4, True)),
         (8192, 5120, (2, 10, True), (2, 10, True)),
         (2048, 5376, (7, 3, True), (7, 3, True)),
-        # mistral-nemo down_proj: clustered splits in one wave 26.1 / 27.6 µs
-        # (H100) and 26.5 / 28.0 (H200), the finished 6 x 10 before 26.7 / 27.3 and 26.2 / 28.0; 4c x 14
-        # was the fastest on both (23.2 / 25.1, 24.0 / 25.7): the waves cost counts no cluster's size
+        # mistral-nemo down_proj, µs at one / 8 rows: 5 clustered splits of 12 in one wave 26.1 / 27.6
+        # (H100) and 26.5 / 28.0 (H200), the 6 finished of 10 before 26.7 / 27.3 and 26.2 / 28.0; 4 of
+        # 14 was the fastest on both (23.2 / 25.1, 24.0 / 25.7): the waves cost counts no cluster's size
         (5120, 14336, (5, 12, True), (8, 7, False)),
     ],
 )
@@ -253,7 +253,8 @@ def test_the_pair_table_kernel_follows_its_waves_and_a_clustered_pair_where_that
     splits in a cluster where that grid is not clustered and the pair's busiest SM runs no more
     steps (the busiest-SM rule's own pair). On the recorded sweeps (tests/test_grid_sweep.py) the
     busiest-SM rule picked 1.101x the fastest grid on the H100's sweep of this kernel and 1.067 /
-    1.077x on the H100's and H200's of the 8-byte-load one; this rule 1.045, 1.031 and 1.043x."""
+    1.077x on the H100's and H200's of the 8-byte-load one; this rule 1.045, 1.031 and 1.043x
+    before its clusters' refit, 1.022x on the H100's sweep and 1.014x on the H200's after."""
     for M in (1, 8):
         g = matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule=WAVES)
         assert (g.splits, g.steps_per_split, g.clustered) == grid, M
