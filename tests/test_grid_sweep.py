@@ -4,6 +4,7 @@ end, every grid's output inside the bound."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -49,6 +50,30 @@ def test_the_kernel_runs_a_grid_only_where_every_step_lies_in_one_split_and_its_
     assert not plan.runs(mk.Grid((16, 1, 1), 32, True), M, N, K, tokens)  # a cluster of one split
     assert not plan.runs(mk.Grid((16, 32, 1), 1, True), M, N, K, tokens)  # larger than any cluster held
     assert not NO_CLUSTERS.runs(mk.Grid((16, 2, 1), 16, True), M, N, K, tokens)
+
+
+def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
+    """For every weight the sweeps know and odd shapes besides, at every row count of the decode and
+    wide tiles, on the Hopper plans (clusters of up to 16 splits; the waves rule may take up to
+    ``MAX_SPLITS`` clustered splits of one step) and on a GPU without clusters: the rules' grid is one
+    ``Plan.runs`` accepts (every step in one split, none empty, clusters only of sizes held)."""
+    from tests import hopper_plans as hopper
+
+    plans = {
+        8: [
+            mk.Plan(None, None, 128, hopper.M8_PER_SM, hopper.SMS, hopper.M8_CLUSTERS, rule)
+            for rule in (mk.WAVES, mk.BUSIEST_SM)
+        ],
+        16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
+        64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES)],
+        128: [mk.Plan(None, None, 256, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES)],
+    }
+    shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}
+    for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 33, 64, 65, 128, 300)):
+        tokens = mk.token_tile(M)
+        for plan in [*plans.get(tokens, []), NO_CLUSTERS]:
+            grid = plan.grid(M, N, K, tokens)
+            assert plan.runs(grid, M, N, K, tokens), (N, K, M, plan.rule, grid)
 
 
 def _case(times: dict, in_bound: bool = True, M: int = 1, N: int = 1024, K: int = 8192) -> dict:
