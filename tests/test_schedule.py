@@ -1,0 +1,97 @@
+"""The static schedule (``harness.compile_check.schedule``): reading nvdisasm's SASS, finding a
+loop's main path and each global load's lead; and, on the NVRTC cubins (no GPU), the pair-table
+kernel's design rule that every load of a step is issued a step ahead of its first use."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.compile_check import schedule
+from harness.runtime import ops
+
+
+def _sass(body: list[str]) -> str:
+    lines, address = [], 0
+    for item in body:
+        if item.endswith(":"):
+            lines.append(item)
+        else:
+            lines.append(f"        /*{address:04x}*/                   {item} ;")
+            address += 16
+    return "\n".join(lines)
+
+
+FILLER = ["IADD3 R30, R30, 0x1, RZ"] * 60
+# One loop: a 16-byte load its next step reads first (PRMT at the top), an 8-byte load this step
+# reads (STG of R10.64), a block the main path jumps over (it reads R4 at once), a conditional branch
+# that stays on the path.
+SASS = _sass(
+    [
+        "MOV R1, c[0x0][0x28]",
+        ".L_x_1:",
+        "PRMT R9, R5, 0x1, R4",
+        *FILLER[:10],
+        "LDG.E.128 R4, desc[UR4][R2.64]",
+        "LDG.E.64 R10, desc[UR4][R12.64+0x10]",
+        *FILLER[:20],
+        "@P0 BRA `(.L_x_1)",
+        "STG.E desc[UR4][R10.64], R0",
+        *FILLER[:20],
+        "BRA `(.L_x_2)",
+        "FADD R8, R6, R8",
+        ".L_x_2:",
+        *FILLER[:5],
+        "@!P1 BRA `(.L_x_1)",
+        "EXIT",
+    ]
+)
+
+
+def test_the_parser_finds_the_loop_its_main_path_and_each_loads_lead():
+    sass = schedule.parse(SASS)
+    (loop,) = schedule.loops(sass)
+    assert (loop.top, loop.back_edge) == (1, len(sass.instructions) - 2)
+    path = loop.main_path(sass)
+    skipped = next(i for i, ins in enumerate(sass.instructions) if ins.opcode == "FADD")
+    assert skipped not in path and path[0] == loop.top and path[-1] == loop.back_edge
+    first, second = schedule.leads(sass, loop)
+    # The 16-byte load: read at the top of the next step (the skipped FADD reads it sooner, off the path).
+    assert first.load.startswith("LDG.E.128 R4") and first.next_step
+    assert first.position + first.lead == len(path)
+    # The 8-byte load: its register pair is read by the STG in the same step, after the conditional branch.
+    assert second.load.startswith("LDG.E.64 R10") and not second.next_step and second.lead == 20 + 1 + 1
+
+
+def test_a_register_pair_and_a_predicate_are_read_as_such():
+    ins = schedule.parse(_sass(["@!P2 STG.E.64 desc[UR4][R6.64], R8"])).instructions[0]
+    assert ins.predicate == "@!P2" and ins.opcode == "STG.E.64"
+    assert ins.registers_read() == {6, 7, 8}
+    load = schedule.parse(_sass(["@!P4 LDG.E.EF.128 R36, desc[UR22][R16.64]"])).instructions[0]
+    assert load.global_load() == {36, 37, 38, 39} and load.registers_read() == {16, 17}
+    assert not schedule.parse(_sass(["LDS R52, [R52+UR5]"])).instructions[0].global_load()
+
+
+PAIR_TABLE_VARIANTS = [
+    (arch, name)
+    for arch in ("sm_80", "sm_90")
+    for name, _ in ops.compile_specs(arch)
+    if name.startswith("mm4-") and "-nested-" in name and ("-m8-" in name or "-m16-" in name)
+]
+
+
+@pytest.mark.parametrize(("arch", "name"), PAIR_TABLE_VARIANTS)
+def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, name):
+    """kernels/matmul_4bit_m8_pairs.cu refills a step's registers with the next step's weights and
+    scale codes as it goes, so that every load has a step of decoding to arrive in: in each of its
+    step loops (those that load weights), no global load may be first read in its own step. A
+    version of the columns path that held every word's table addresses first broke this (the
+    compiler copied the loaded registers at the step's end; kernels/NOTES.md, "Chunks as mma
+    columns"), and no GPU was needed to see it."""
+    sass = schedule.variant_sass(name, arch)
+    step_loops = [
+        loop for loop in schedule.loops(sass) if any("LDG.E.EF" in lead.load for lead in schedule.leads(sass, loop))
+    ]
+    assert len(step_loops) == 3, "one step loop for each of the kernel's chunk widths (16-, 8- and 4-byte loads)"
+    for loop in step_loops:
+        same_step = [lead for lead in schedule.leads(sass, loop) if not lead.next_step]
+        assert not same_step, (loop, same_step)
