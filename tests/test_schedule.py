@@ -95,3 +95,10 @@ def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, na
     for loop in step_loops:
         same_step = [lead for lead in schedule.leads(sass, loop) if not lead.next_step]
         assert not same_step, (loop, same_step)
+
+
+def test_the_command_names_the_variants_when_asked_for_one_it_does_not_have(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        schedule.main(["mm4-no-such-variant", "--arch", "sm_90"])
+    assert exit_.value.code == 2
+    assert "no variant 'mm4-no-such-variant' for sm_90" in capsys.readouterr().err

@@ -184,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("variant", help="a variant's name, e.g. mm4-nf4-bf16-nested-m8-w4-few")
     parser.add_argument("--arch", default="sm_90")
     args = parser.parse_args(argv)
-    print(describe(variant_sass(args.variant, args.arch)))
+    try:
+        sass = variant_sass(args.variant, args.arch)
+    except KeyError as e:
+        parser.error(e.args[0])
+    print(describe(sass))
     return 0
 
 
