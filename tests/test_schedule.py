@@ -62,6 +62,62 @@ def test_the_parser_finds_the_loop_its_main_path_and_each_loads_lead():
     assert second.load.startswith("LDG.E.64 R10") and not second.next_step and second.lead == 20 + 1 + 1
 
 
+def _high_word(stall=1, yield_=True, write=7, read=7, waits=()):
+    """An encoding's high 64-bit word with these control fields (the low 41 bits: arbitrary)."""
+    bits = stall | yield_ << 4 | write << 5 | read << 8 | sum(1 << (11 + b) for b in waits)
+    return (bits << 41) | 0x1E2D3C4B5A
+
+
+def test_the_control_fields_decode_from_the_high_word():
+    control = schedule.Control.from_high_word(_high_word(stall=4, yield_=False, write=5, read=2, waits=(0, 3)))
+    assert control == schedule.Control(stall=4, yield_=False, write_barrier=5, read_barrier=2, waits=frozenset({0, 3}))
+    # 7 is "no scoreboard"; a word nvdisasm printed for an FFMA with no barriers and a stall of 1.
+    assert schedule.Control.from_high_word(0x000FE20000000004) == schedule.Control(1, True, None, None, frozenset())
+
+
+def _hex_sass(body: list[tuple[str, int]]) -> str:
+    """nvdisasm -hex style: each instruction with its low word, its high word on the next line."""
+    lines = []
+    for n, (text, high) in enumerate(body):
+        lines.append(f"        /*{16 * n:04x}*/                   {text} ;   /* 0x000000ff00007981 */")
+        lines.append(f"                                                   /* 0x{high:016x} */")
+    return "\n".join(lines)
+
+
+def test_a_wait_on_the_loads_scoreboard_before_their_reader_is_where_the_load_is_waited_for():
+    """A load on scoreboard 5 whose first reader comes 40 instructions on, behind a branch at 10
+    that waits on scoreboard 5: the step stalls at the branch, so the load's deadline is 10."""
+    body = [("LDG.E.128 R4, desc[UR4][R2.64]", _high_word(write=5, read=1))]
+    body += [("IADD3 R30, R30, 0x1, RZ", _high_word())] * 9
+    body += [("@P0 BRA `(.L_x_9)", _high_word(waits=(1, 5)))]
+    body += [("IADD3 R30, R30, 0x1, RZ", _high_word())] * 29
+    body += [("PRMT R9, R5, 0x1, R4", _high_word())]
+    sass = schedule.parse(_hex_sass(body))
+    assert sass.instructions[0].control.write_barrier == 5
+    loop = schedule.Loop(0, len(sass.instructions) - 1)
+    (lead,) = schedule.leads(sass, loop)
+    assert (lead.lead, lead.waited) == (40, 10)
+    (wait,) = schedule.load_waits(sass, loop)
+    assert (wait.position, wait.scoreboards) == (10, frozenset({5}))
+    # Without the encodings (plain nvdisasm -c) the same listing has no control fields and no waits.
+    plain = schedule.parse(_sass([text for text, _ in body]))
+    assert all(ins.control is None for ins in plain.instructions)
+    assert schedule.leads(plain, loop)[0].waited is None and not schedule.load_waits(plain, loop)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_decoded_scoreboards_fit_what_each_instruction_is(arch):
+    """A check of the field layout on real code: in the pair-table kernel every global load sets a
+    write scoreboard (its result lands after a variable latency) and no fixed-latency arithmetic
+    (FFMA, IADD3, LOP3, PRMT, HMMA) sets one; a wrong layout would put random bits in both."""
+    sass = schedule.variant_sass("mm4-nf4-bf16-nested-m8-w4-few", arch)
+    loads = [ins for ins in sass.instructions if ins.global_load()]
+    fixed = [ins for ins in sass.instructions if ins.opcode.split(".")[0] in ("FFMA", "IADD3", "LOP3", "PRMT", "HMMA")]
+    assert loads and fixed and all(ins.control is not None for ins in sass.instructions)
+    assert all(ins.control.write_barrier is not None for ins in loads)
+    assert all(ins.control.write_barrier is None for ins in fixed)
+
+
 def test_a_register_pair_and_a_predicate_are_read_as_such():
     ins = schedule.parse(_sass(["@!P2 STG.E.64 desc[UR4][R6.64], R8"])).instructions[0]
     assert ins.predicate == "@!P2" and ins.opcode == "STG.E.64"

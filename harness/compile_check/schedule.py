@@ -8,11 +8,20 @@ builds, so it is the code the GPU runs. A loop's main path is its code from the 
 unconditional jump, then from that jump's target to the loop's back edge: the way a step goes when
 no branch inside it is taken. A load's lead counts the instructions on that path from the load to
 its first reader, past the back edge into the next step where the loop reads it there.
+
+Each instruction also carries the scheduling fields the compiler wrote into its encoding (Volta and
+later: the top 23 bits of the 128-bit word, decoded as published by Jia et al., "Dissecting the
+NVIDIA Volta GPU Architecture via Microbenchmarking", 2018): the stall count, the scoreboard its
+result will release when it lands (a variable-latency instruction's write barrier), the one that
+guards its source registers, and the scoreboards it waits for before it issues. A warp that waits on
+a scoreboard waits for every outstanding instruction assigned to it, so the printout lists where a
+loop's main path waits on its global loads' scoreboards: the points a load-bound step stalls at.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 import sys
@@ -25,6 +34,10 @@ from cuda.pathfinder import find_nvidia_binary_utility
 from harness.runtime import jit, ops
 
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_HIGH_WORD = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+# The control fields' place in the encoding's high 64-bit word.
+_CONTROL_SHIFT = 41
+_NO_BARRIER = 7
 _LABEL = re.compile(r"^\.(L_x_\d+):")
 _TARGET = re.compile(r"`\(\.(L_x_\d+)\)")
 _REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
@@ -35,10 +48,34 @@ _READ_ALL = ("ST", "BRA", "BAR", "RED", "ATOM", "EXIT", "RET")
 
 
 @dataclass(frozen=True)
+class Control:
+    """An instruction's scheduling fields. Scoreboards are numbered 0-5; ``None``: sets none."""
+
+    stall: int  # cycles before the warp's next instruction may issue
+    yield_: bool
+    write_barrier: int | None  # released when a variable-latency result lands
+    read_barrier: int | None  # released when the source registers have been read
+    waits: frozenset[int]  # scoreboards that must be clear before this instruction issues
+
+    @classmethod
+    def from_high_word(cls, word: int) -> Control:
+        bits = word >> _CONTROL_SHIFT
+        write, read = (bits >> 5) & 7, (bits >> 8) & 7
+        return cls(
+            stall=bits & 15,
+            yield_=bool((bits >> 4) & 1),
+            write_barrier=None if write == _NO_BARRIER else write,
+            read_barrier=None if read == _NO_BARRIER else read,
+            waits=frozenset(b for b in range(6) if (bits >> (11 + b)) & 1),
+        )
+
+
+@dataclass(frozen=True)
 class Instruction:
     predicate: str | None
     opcode: str
     operands: tuple[str, ...]
+    control: Control | None = None  # from nvdisasm -hex; None where the listing had no encoding
 
     @property
     def text(self) -> str:
@@ -72,7 +109,9 @@ class Sass:
 
 
 def parse(text: str) -> Sass:
-    """``nvdisasm -c`` output: its instructions in order and where each label points."""
+    """``nvdisasm -c [-hex]`` output: its instructions in order (with their control fields where
+    the listing has the encoding: ``-hex`` puts the high word on the line after the instruction)
+    and where each label points."""
     instructions, labels = [], {}
     for line in text.splitlines():
         if m := _LABEL.match(line.strip()):
@@ -85,6 +124,9 @@ def parse(text: str) -> Sass:
             opcode, _, rest = body.partition(" ")
             operands = tuple(o.strip() for o in rest.split(",")) if rest.strip() else ()
             instructions.append(Instruction(predicate, opcode, operands))
+        elif (m := _HIGH_WORD.match(line)) and instructions and instructions[-1].control is None:
+            control = Control.from_high_word(int(m.group(1), 16))
+            instructions[-1] = dataclasses.replace(instructions[-1], control=control)
     return Sass(tuple(instructions), labels)
 
 
@@ -120,6 +162,9 @@ class Lead:
     position: int  # its place on the main path
     lead: int  # instructions on the path from the load to its first reader
     path_length: int
+    # instructions to the first wait on its scoreboard, where that comes before the first reader:
+    # the warp stalls there until this load (and every other on the scoreboard) has landed
+    waited: int | None = None
 
     @property
     def next_step(self) -> bool:
@@ -136,10 +181,40 @@ def leads(sass: Sass, loop: Loop) -> list[Lead]:
         written = sass.instructions[i].global_load()
         if not written:
             continue
+        control = sass.instructions[i].control
+        board = control.write_barrier if control else None
+        waited = None
         for step in range(1, len(path) + 1):
-            if sass.instructions[path[(k + step) % len(path)]].registers_read() & written:
-                out.append(Lead(sass.instructions[i].text, k, step, len(path)))
+            ins = sass.instructions[path[(k + step) % len(path)]]
+            if waited is None and board is not None and ins.control and board in ins.control.waits:
+                waited = step
+            if ins.registers_read() & written:
+                out.append(Lead(sass.instructions[i].text, k, step, len(path), waited))
                 break
+    return out
+
+
+@dataclass(frozen=True)
+class Wait:
+    position: int  # on the main path
+    text: str
+    scoreboards: frozenset[int]  # of those the loop's global loads set
+
+
+def load_waits(sass: Sass, loop: Loop) -> list[Wait]:
+    """Where the loop's main path waits on a scoreboard that one of its global loads sets: each
+    such wait is for every load outstanding on that scoreboard, not only the one it reads."""
+    path = loop.main_path(sass)
+    boards = {
+        sass.instructions[i].control.write_barrier
+        for i in path
+        if sass.instructions[i].global_load() and sass.instructions[i].control
+    } - {None}
+    out = []
+    for k, i in enumerate(path):
+        ins = sass.instructions[i]
+        if ins.control and ins.control.waits & boards:
+            out.append(Wait(k, ins.text, ins.control.waits & boards))
     return out
 
 
@@ -154,7 +229,7 @@ def disassemble(cubin: bytes) -> Sass:
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "kernel.cubin"
         file.write_bytes(cubin)
-        text = subprocess.run([nvdisasm(), "-c", str(file)], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([nvdisasm(), "-c", "-hex", str(file)], capture_output=True, text=True, check=True).stdout
     return parse(text)
 
 
@@ -171,9 +246,16 @@ def describe(sass: Sass) -> str:
     for n, loop in enumerate(loops(sass)):
         path = loop.main_path(sass)
         lines.append(f"loop {n}: instructions {loop.top}..{loop.back_edge}, main path {len(path)}")
+        controls = {k: sass.instructions[i].control for k, i in enumerate(path)}
         for lead in leads(sass, loop):
             where = "next step" if lead.next_step else "same step"
-            lines.append(f"  {lead.position:5d}  {lead.load:60.60s}  lead {lead.lead:4d} ({where})")
+            control = controls[lead.position]
+            board = "" if control is None or control.write_barrier is None else f"  sb {control.write_barrier}"
+            waited = "" if lead.waited is None else f", waited for after {lead.waited}"
+            lines.append(f"  {lead.position:5d}  {lead.load:60.60s}  lead {lead.lead:4d} ({where}){board}{waited}")
+        for wait in load_waits(sass, loop):
+            boards = ",".join(map(str, sorted(wait.scoreboards)))
+            lines.append(f"  {wait.position:5d}  {wait.text:60.60s}  waits for the loads on sb {boards}")
     return "\n".join(lines)
 
 
