@@ -162,8 +162,8 @@ class Lead:
     position: int  # its place on the main path
     lead: int  # instructions on the path from the load to its first reader
     path_length: int
-    # instructions to the first wait on its scoreboard, where that comes before the first reader:
-    # the warp stalls there until this load (and every other on the scoreboard) has landed
+    # instructions to the first wait on its scoreboard, at or before the first reader (None: none
+    # there, or no encodings): the warp stalls there until this load and every other on it landed
     waited: int | None = None
 
     @property
@@ -174,7 +174,8 @@ class Lead:
 
 
 def leads(sass: Sass, loop: Loop) -> list[Lead]:
-    """Each global load on the loop's main path, with its lead (none where nothing reads it)."""
+    """Each global load on the loop's main path, with its lead and the first wait on its scoreboard
+    (none where nothing reads it)."""
     path = loop.main_path(sass)
     out = []
     for k, i in enumerate(path):
