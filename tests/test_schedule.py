@@ -96,13 +96,14 @@ def test_a_wait_on_the_loads_scoreboard_before_their_reader_is_where_the_load_is
     assert sass.instructions[0].control.write_barrier == 5
     loop = schedule.Loop(0, len(sass.instructions) - 1)
     (lead,) = schedule.leads(sass, loop)
-    assert (lead.lead, lead.waited) == (40, 10)
+    assert (lead.lead, lead.scoreboard, lead.waited) == (40, 5, 10)
     (wait,) = schedule.load_waits(sass, loop)
     assert (wait.position, wait.scoreboards) == (10, frozenset({5}))
     # Without the encodings (plain nvdisasm -c) the same listing has no control fields and no waits.
     plain = schedule.parse(_sass([text for text, _ in body]))
     assert all(ins.control is None for ins in plain.instructions)
-    assert schedule.leads(plain, loop)[0].waited is None and not schedule.load_waits(plain, loop)
+    (plain_lead,) = schedule.leads(plain, loop)
+    assert plain_lead.scoreboard is None and plain_lead.waited is None and not schedule.load_waits(plain, loop)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -162,6 +162,7 @@ class Lead:
     position: int  # its place on the main path
     lead: int  # instructions on the path from the load to its first reader
     path_length: int
+    scoreboard: int | None = None  # the one its result releases (None: no encodings in the listing)
     # instructions to the first wait on its scoreboard, at or before the first reader (None: none
     # there, or no encodings): the warp stalls there until this load and every other on it landed
     waited: int | None = None
@@ -190,7 +191,7 @@ def leads(sass: Sass, loop: Loop) -> list[Lead]:
             if waited is None and board is not None and ins.control and board in ins.control.waits:
                 waited = step
             if ins.registers_read() & written:
-                out.append(Lead(sass.instructions[i].text, k, step, len(path), waited))
+                out.append(Lead(sass.instructions[i].text, k, step, len(path), board, waited))
                 break
     return out
 
@@ -247,11 +248,9 @@ def describe(sass: Sass) -> str:
     for n, loop in enumerate(loops(sass)):
         path = loop.main_path(sass)
         lines.append(f"loop {n}: instructions {loop.top}..{loop.back_edge}, main path {len(path)}")
-        controls = {k: sass.instructions[i].control for k, i in enumerate(path)}
         for lead in leads(sass, loop):
             where = "next step" if lead.next_step else "same step"
-            control = controls[lead.position]
-            board = "" if control is None or control.write_barrier is None else f"  sb {control.write_barrier}"
+            board = "" if lead.scoreboard is None else f"  sb {lead.scoreboard}"
             waited = "" if lead.waited is None else f", waited for after {lead.waited}"
             lines.append(f"  {lead.position:5d}  {lead.load:60.60s}  lead {lead.lead:4d} ({where}){board}{waited}")
         for wait in load_waits(sass, loop):
