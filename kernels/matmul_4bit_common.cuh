@@ -101,6 +101,36 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fi
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(fill ? 16 : 0));
 }
 
+// 16 bytes of each of the first `n` of kRows rows (2 or 4; row r at smem + r * kSmemStride bytes, gmem
+// + r * gmem_stride bytes; `fill` 16, or 0 for zeros), as one asm block of predicated copies. Copies
+// behind branches (a loop with `if (r < n)`, or a helper called under a condition) make the compiler
+// wait there for every global load in flight, which share one scoreboard: at a step's top, before
+// any of the step has run (`python -m harness.compile_check.schedule` shows where each step waits).
+template <int kRows, unsigned kSmemStride>
+__device__ __forceinline__ void cp_async16_rows(void* smem, const void* gmem, long long gmem_stride, int n, int fill) {
+    static_assert(kRows == 2 || kRows == 4, "two or four rows a thread");
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    if constexpr (kRows == 2) {
+        asm volatile(
+            "{\n.reg .pred p0, p1;\n.reg .u64 g1;\n"
+            "setp.gt.s32 p0, %3, 0;\nsetp.gt.s32 p1, %3, 1;\nadd.u64 g1, %1, %4;\n"
+            "@p0 cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+            "@p1 cp.async.cg.shared.global [%0+%5], [g1], 16, %2;\n}\n" ::"r"(s),
+            "l"(gmem), "r"(fill), "r"(n), "l"(gmem_stride), "n"(kSmemStride));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p0, p1, p2, p3;\n.reg .u64 g1, g2, g3;\n"
+            "setp.gt.s32 p0, %3, 0;\nsetp.gt.s32 p1, %3, 1;\nsetp.gt.s32 p2, %3, 2;\nsetp.gt.s32 p3, %3, 3;\n"
+            "add.u64 g1, %1, %4;\nadd.u64 g2, g1, %4;\nadd.u64 g3, g2, %4;\n"
+            "@p0 cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+            "@p1 cp.async.cg.shared.global [%0+%5], [g1], 16, %2;\n"
+            "@p2 cp.async.cg.shared.global [%0+%6], [g2], 16, %2;\n"
+            "@p3 cp.async.cg.shared.global [%0+%7], [g3], 16, %2;\n}\n" ::"r"(s),
+            "l"(gmem), "r"(fill), "r"(n), "l"(gmem_stride), "n"(kSmemStride), "n"(2 * kSmemStride),
+            "n"(3 * kSmemStride));
+    }
+}
+
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));

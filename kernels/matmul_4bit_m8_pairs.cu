@@ -265,17 +265,18 @@ __device__ __forceinline__ ActSource act_source(i64 m0, int rows, int K) {
             r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0};
 }
 
-// Stage k0 .. k0 + STEP_K as one cp.async group; pieces past K as zeros.
+// Stage k0 .. k0 + STEP_K as one cp.async group (empty unless `copy`); pieces past K as zeros. No
+// branch around the copies (cp_async16_rows), so the step's global loads are not waited for here.
 template <int kChunk>
 __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& s, const elem_t* __restrict__ A,
-                                                  int k0, int K) {
+                                                  int k0, int K, bool copy = true) {
     const int c = threadIdx.x % ACT_ROW_CHUNKS, slot = act_slot<kChunk>(threadIdx.x / ACT_ROW_CHUNKS, c);
     const bool ok = k0 + 8 * c < K;
-#pragma unroll
-    for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
-        if (i < s.rows)
-            cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
-                       ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
+    // A thread's rows: act_slot<kChunk>(ACT_ROW_STRIDE, 0) slots of 16 bytes apart in the tile.
+    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) * 16;
+    const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
+    cp_async16_rows<ACT_ROWS_A_THREAD, kRowBytes>(tile + slot, ok ? A + s.from + k0 : A, ok ? row_bytes : 0,
+                                                  copy ? s.rows : 0, ok ? 16 : 0);
     cp_async_commit();
 }
 
@@ -379,7 +380,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT
         // This step's tile (and, the first time, the tables) visible to every warp, and every warp
         // done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
-        if (more) stage_activations<kChunk>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K);
+        stage_activations<kChunk>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K, more);
         const uint4* tile = s_act[stage];
         if ((step + 2) * STEP_K <= K)
             compute_step<kChunk, kWide, false, true>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,

@@ -154,6 +154,26 @@ def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, na
         assert not same_step, (loop, same_step)
 
 
+@pytest.mark.parametrize(("arch", "name"), PAIR_TABLE_VARIANTS)
+def test_the_pair_table_kernel_waits_for_its_loads_where_it_reads_them(arch, name):
+    """Every global load of a step loop shares one scoreboard, so the step's first wait on it is a
+    wait for all of them: the loads' real deadline. The activation staging copies with predicated
+    instructions (kernels/matmul_4bit_common.cuh, cp_async16_rows) because a branch around a copy
+    put that wait at the branch, 6-15 instructions into the step, before anything of it had run.
+    So each step loop's first wait on its loads must be at an instruction that reads a loaded
+    register, or after the step's activation copies have all been issued."""
+    sass = schedule.variant_sass(name, arch)
+    for loop in schedule.loops(sass):
+        if not any("LDG.E.EF" in lead.load for lead in schedule.leads(sass, loop)):
+            continue
+        path = loop.main_path(sass)
+        loaded = set().union(*(sass.instructions[i].global_load() for i in path))
+        copies = [k for k, i in enumerate(path) if sass.instructions[i].opcode.startswith("LDGSTS")]
+        first = schedule.load_waits(sass, loop)[0]
+        reads = bool(sass.instructions[path[first.position]].registers_read() & loaded)
+        assert reads or first.position > max(copies), (loop, first, copies)
+
+
 def test_the_command_names_the_variants_when_asked_for_one_it_does_not_have(capsys):
     with pytest.raises(SystemExit) as exit_:
         schedule.main(["mm4-no-such-variant", "--arch", "sm_90"])
