@@ -141,11 +141,15 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
                                                   int K) {
     static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
                   "a block's threads must split the activation tile into whole rows of chunks");
-    const int c = threadIdx.x % ACT_ROW_CHUNKS, k = k0 + 8 * c;
+    const int c = threadIdx.x % ACT_ROW_CHUNKS, k = k0 + 8 * c, r = threadIdx.x / ACT_ROW_CHUNKS;
     const bool ok = k < K;
-#pragma unroll
-    for (int r = threadIdx.x / ACT_ROW_CHUNKS; r < MM_TOKENS; r += ACT_ROW_STRIDE)
-        if (r < rows) cp_async16(tile + act_slot(r, c, ACT_ROW_CHUNKS), ok ? A + (m0 + r) * K + k : A, ok);
+    // The thread's rows r, r + ACT_ROW_STRIDE, ...: those inside `rows`, copied without a branch.
+    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
+    const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
+    const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
+    cp_async16_rows<MM_TOKENS / ACT_ROW_STRIDE, kRowBytes>(tile + act_slot(r, c, ACT_ROW_CHUNKS),
+                                                           ok ? A + (m0 + r) * K + k : A, ok ? row_bytes : 0, live,
+                                                           ok ? 16 : 0);
     cp_async_commit();
 }
 
@@ -204,8 +208,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
         // This step's tile (and, the first time, the code book) visible to every warp, and every
         // warp done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
-        if (step + 1 < last)
-            stage_activations(s_act[stage ^ 1], A, m0, rows, (step + 1) * STEP_K, K);
+        stage_activations(s_act[stage ^ 1], A, m0, step + 1 < last ? rows : 0, (step + 1) * STEP_K, K);
         if (step < full)
             compute_step<kOneBlock, false>(acc, cur, s_act[stage], step, ln, K, s_code2, offset);
         else
