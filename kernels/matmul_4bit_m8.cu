@@ -137,6 +137,7 @@ __device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
 // Stage k0 .. k0 + STEP_K of the tile's first `rows` tokens as one cp.async group: each thread
 // copies chunk threadIdx.x % 32 of rows ACT_ROW_STRIDE apart, a fixed share (a loop strided over
 // rows * 32 chunks cost some 100 instructions a step at 8 rows).
+template <bool kBranchy>
 __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __restrict__ A, i64 m0, int rows, int k0,
                                                   int K) {
     static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
@@ -147,9 +148,15 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
     constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
     const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
     const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
-    cp_async16_rows<MM_TOKENS / ACT_ROW_STRIDE, kRowBytes>(tile + act_slot(r, c, ACT_ROW_CHUNKS),
-                                                           ok ? A + (m0 + r) * K + k : A, ok ? row_bytes : 0, live,
-                                                           ok ? 16 : 0);
+    if constexpr (kBranchy) {
+#pragma unroll
+        for (int i = r; i < MM_TOKENS; i += ACT_ROW_STRIDE)
+            if (i < rows) cp_async16(tile + act_slot(i, c, ACT_ROW_CHUNKS), ok ? A + (m0 + i) * K + k : A, ok);
+    } else {
+        cp_async16_rows<MM_TOKENS / ACT_ROW_STRIDE, kRowBytes>(tile + act_slot(r, c, ACT_ROW_CHUNKS),
+                                                               ok ? A + (m0 + r) * K + k : A, ok ? row_bytes : 0,
+                                                               live, ok ? 16 : 0);
+    }
     cp_async_commit();
 }
 
@@ -188,7 +195,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], const StepWei
     }
 }
 
-template <bool kOneBlock>
+template <bool kOneBlock, bool kBranchy>
 __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
                                           uint4 (&s_act)[ACT_STAGES][ACT_TILE_SLOTS], int first,
                                           int last, const Lane& ln, const elem_t* __restrict__ A, i64 m0, int rows,
@@ -197,7 +204,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
     const int full = K / STEP_K;
     // Software-pipelined: the next step's weights and scale parts (registers) and activations (the
     // other stage of the shared tile) are in flight while this one decodes.
-    if (first < last) stage_activations(s_act[0], A, m0, rows, first * STEP_K, K);
+    if (first < last) stage_activations<kBranchy>(s_act[0], A, m0, rows, first * STEP_K, K);
     StepWeights<kOneBlock> cur;
     load_step(cur, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     for (int step = first; step < last; ++step) {
@@ -208,7 +215,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4],
         // This step's tile (and, the first time, the code book) visible to every warp, and every
         // warp done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
-        stage_activations(s_act[stage ^ 1], A, m0, step + 1 < last ? rows : 0, (step + 1) * STEP_K, K);
+        stage_activations<kBranchy>(s_act[stage ^ 1], A, m0, step + 1 < last ? rows : 0, (step + 1) * STEP_K, K);
         if (step < full)
             compute_step<kOneBlock, false>(acc, cur, s_act[stage], step, ln, K, s_code2, offset);
         else
@@ -247,11 +254,14 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
     for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
     // A lane's 64 k start at a multiple of 64 of the flattened weight when K is one.
-    if (K % 64 == 0 && bs_log2 >= 6)
-        run_split<true>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+    if (MM_TOKENS == 8 && K % 64 == 0 && bs_log2 >= 6 && rows <= 2)
+        run_split<true, true>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+                        bs2_log2);
+    else if (K % 64 == 0 && bs_log2 >= 6)
+        run_split<true, false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                         bs2_log2);
     else
-        run_split<false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
+        run_split<false, false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
                          bs2_log2);
 
     static_assert(sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the stages");

@@ -275,8 +275,19 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& 
     // A thread's rows: act_slot<kChunk>(ACT_ROW_STRIDE, 0) slots of 16 bytes apart in the tile.
     constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) * 16;
     const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
+#if MM_FEW_ROWS
+    // The few-rows build: most warps have no row; a branch lets them skip the copies, where
+    // predicated-off copies still cost the L1 unit, which paces the one-row call on an H200.
+    if (copy)
+#pragma unroll
+        for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
+            if (i < s.rows)
+                cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
+                           ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
+#else
     cp_async16_rows<ACT_ROWS_A_THREAD, kRowBytes>(tile + slot, ok ? A + s.from + k0 : A, ok ? row_bytes : 0,
                                                   copy ? s.rows : 0, ok ? 16 : 0);
+#endif
     cp_async_commit();
 }
 
