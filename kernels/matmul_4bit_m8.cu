@@ -134,6 +134,12 @@ __device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
 #define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8))  // slots of one stage
 #define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)                     // rows a block's threads cover
 
+// Tiles of at most this many rows stage with branches (kBranchy): most warps have no row there, and
+// a branch lets them skip copies that, predicated off, would still take the L1 unit's wavefronts
+// (which pace such calls on an H200). Larger tiles copy without a branch, so the step's first wait
+// for its loads is at a reader (cp_async16_rows).
+#define BRANCHY_STAGING_ROWS 2
+
 // Stage k0 .. k0 + STEP_K of the tile's first `rows` tokens as one cp.async group: each thread
 // copies chunk threadIdx.x % 32 of rows ACT_ROW_STRIDE apart, a fixed share (a loop strided over
 // rows * 32 chunks cost some 100 instructions a step at 8 rows).
@@ -144,7 +150,7 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
                   "a block's threads must split the activation tile into whole rows of chunks");
     const int c = threadIdx.x % ACT_ROW_CHUNKS, k = k0 + 8 * c, r = threadIdx.x / ACT_ROW_CHUNKS;
     const bool ok = k < K;
-    // The thread's rows r, r + ACT_ROW_STRIDE, ...: those inside `rows`, copied without a branch.
+    // The thread's rows r, r + ACT_ROW_STRIDE, ...: those inside `rows`.
     constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
     const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
     const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
@@ -253,16 +259,17 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
 #pragma unroll
     for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    // A lane's 64 k start at a multiple of 64 of the flattened weight when K is one.
-    if (MM_TOKENS == 8 && K % 64 == 0 && bs_log2 >= 6 && rows <= 2)
+    // A lane's 64 k start at a multiple of 64 of the flattened weight when K is one. The branchy
+    // staging's loop only where a tile can be that small and the common case (the 8-token build).
+    if (K % 64 == 0 && bs_log2 >= 6 && MM_TOKENS == 8 && rows <= BRANCHY_STAGING_ROWS)
         run_split<true, true>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
-                        bs2_log2);
+                              bs2_log2);
     else if (K % 64 == 0 && bs_log2 >= 6)
         run_split<true, false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
-                        bs2_log2);
+                               bs2_log2);
     else
-        run_split<false, false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,
-                         bs2_log2);
+        run_split<false, false>(acc, s_act, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset,
+                                bs_log2, bs2_log2);
 
     static_assert(sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float), "the splits' sums borrow the stages");
     store_tile(acc, n_lo, m0, t, M, N, partial, bias, out, reinterpret_cast<float*>(s_act));

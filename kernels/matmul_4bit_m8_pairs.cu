@@ -266,18 +266,16 @@ __device__ __forceinline__ ActSource act_source(i64 m0, int rows, int K) {
 }
 
 // Stage k0 .. k0 + STEP_K as one cp.async group (empty unless `copy`); pieces past K as zeros. No
-// branch around the copies (cp_async16_rows), so the step's global loads are not waited for here.
+// branch around the copies (cp_async16_rows), so the step's global loads are not waited for here;
+// except in the few-rows build, where most warps have no row: a branch lets them skip copies that,
+// predicated off, would still take the L1 unit's wavefronts, which pace the one-row call on an H200
+// (2% on the large weights there, kernels/NOTES.md).
 template <int kChunk>
 __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& s, const elem_t* __restrict__ A,
                                                   int k0, int K, bool copy = true) {
     const int c = threadIdx.x % ACT_ROW_CHUNKS, slot = act_slot<kChunk>(threadIdx.x / ACT_ROW_CHUNKS, c);
     const bool ok = k0 + 8 * c < K;
-    // A thread's rows: act_slot<kChunk>(ACT_ROW_STRIDE, 0) slots of 16 bytes apart in the tile.
-    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) * 16;
-    const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
 #if MM_FEW_ROWS
-    // The few-rows build: most warps have no row; a branch lets them skip the copies, where
-    // predicated-off copies still cost the L1 unit, which paces the one-row call on an H200.
     if (copy)
 #pragma unroll
         for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
@@ -285,6 +283,9 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& 
                 cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
                            ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
 #else
+    // A thread's rows: act_slot<kChunk>(ACT_ROW_STRIDE, 0) slots of 16 bytes apart in the tile.
+    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) * 16;
+    const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
     cp_async16_rows<ACT_ROWS_A_THREAD, kRowBytes>(tile + slot, ok ? A + s.from + k0 : A, ok ? row_bytes : 0,
                                                   copy ? s.rows : 0, ok ? 16 : 0);
 #endif
