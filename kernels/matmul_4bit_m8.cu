@@ -151,14 +151,14 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
     const int c = threadIdx.x % ACT_ROW_CHUNKS, k = k0 + 8 * c, r = threadIdx.x / ACT_ROW_CHUNKS;
     const bool ok = k < K;
     // The thread's rows r, r + ACT_ROW_STRIDE, ...: those inside `rows`.
-    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
-    const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
-    const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
     if constexpr (kBranchy) {
 #pragma unroll
         for (int i = r; i < MM_TOKENS; i += ACT_ROW_STRIDE)
             if (i < rows) cp_async16(tile + act_slot(i, c, ACT_ROW_CHUNKS), ok ? A + (m0 + i) * K + k : A, ok);
     } else {
+        constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
+        const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
+        const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
         cp_async16_rows<MM_TOKENS / ACT_ROW_STRIDE, kRowBytes>(tile + act_slot(r, c, ACT_ROW_CHUNKS),
                                                                ok ? A + (m0 + r) * K + k : A, ok ? row_bytes : 0,
                                                                live, ok ? 16 : 0);
