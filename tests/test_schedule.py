@@ -136,6 +136,13 @@ PAIR_TABLE_VARIANTS = [
 ]
 
 
+def _step_loops(sass):
+    """The pair-table kernel's step loops: those that stream weights (evict-first global loads)."""
+    return [
+        loop for loop in schedule.loops(sass) if any("LDG.E.EF" in lead.load for lead in schedule.leads(sass, loop))
+    ]
+
+
 @pytest.mark.parametrize(("arch", "name"), PAIR_TABLE_VARIANTS)
 def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, name):
     """kernels/matmul_4bit_m8_pairs.cu refills a step's registers with the next step's weights and
@@ -145,9 +152,7 @@ def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, na
     compiler copied the loaded registers at the step's end; kernels/NOTES.md, "Chunks as mma
     columns"), and no GPU was needed to see it."""
     sass = schedule.variant_sass(name, arch)
-    step_loops = [
-        loop for loop in schedule.loops(sass) if any("LDG.E.EF" in lead.load for lead in schedule.leads(sass, loop))
-    ]
+    step_loops = _step_loops(sass)
     assert len(step_loops) == 3, "one step loop for each of the kernel's chunk widths (16-, 8- and 4-byte loads)"
     for loop in step_loops:
         same_step = [lead for lead in schedule.leads(sass, loop) if not lead.next_step]
@@ -164,9 +169,9 @@ def test_the_pair_table_kernel_waits_for_its_loads_where_it_reads_them(arch, nam
     register, or after the step's activation copies have all been issued. (Not the few-rows build,
     which keeps the branch so that its warps with no row skip their copies.)"""
     sass = schedule.variant_sass(name, arch)
-    for loop in schedule.loops(sass):
-        if not any("LDG.E.EF" in lead.load for lead in schedule.leads(sass, loop)):
-            continue
+    step_loops = _step_loops(sass)
+    assert step_loops
+    for loop in step_loops:
         path = loop.main_path(sass)
         loaded = set().union(*(sass.instructions[i].global_load() for i in path))
         copies = [k for k, i in enumerate(path) if sass.instructions[i].opcode.startswith("LDGSTS")]
