@@ -44,6 +44,55 @@
 #error "the activation tile must split into whole chunks per thread, 8-token groups apart"
 #endif
 
+// From 64 tokens up the codes are looked up two at a time: a byte of packed codes indexes a table of
+// 256 fp32 pairs (code[e >> 4], code[e & 15]), 32 copies of each, copy l for lane l, 8 bytes apart,
+// so each half-warp of a 64-bit load reads 16 different banks pairs whatever its bytes (64 KB,
+// dynamic shared memory before the stages). A byte becomes its address by one prmt (entry e at
+// e * 256 + lane * 8), so a pair is prmt + 64-bit load + 2 FMUL + pack where one code a lookup was
+// prmt + load + FMUL a code, a pack a pair, and two shifts and two masks a word. Each weight is still
+// the fp32 code times the fp32 scale, rounded once to A's dtype: the same bits. Below 64 tokens the
+// table would cap the blocks an SM (kernels/NOTES.md, "Code pairs in the Hopper wide kernel").
+#define WIDE_PAIRS (MM_TOKENS >= 64)
+#define WIDE_PAIR_TABLE_BYTES (256 * 32 * 8)
+
+#if WIDE_PAIRS
+__constant__ unsigned c_code_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
+
+// The table by the block's threads, two copies of an entry a 16-byte store.
+__device__ __forceinline__ void stage_wide_pairs(float2* table) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < WIDE_PAIR_TABLE_BYTES / 16; i += THREADS) {
+        const int e = i / 16;  // 16 stores an entry
+        const float x = __uint_as_float(c_code_bits[e >> 4]), y = __uint_as_float(c_code_bits[e & 15]);
+        reinterpret_cast<float4*>(table)[i] = make_float4(x, y, x, y);
+    }
+}
+
+// The pair of byte kByte of `word` for the lane whose copy offset (lane * 8) is `lane8`: byte 1 of the
+// address is the code byte, byte 0 the lane's offset, bytes 2-3 lane8's zero byte 1.
+template <int kByte>
+__device__ __forceinline__ float2 pair_of(const float2* table, u32 word, u32 lane8) {
+    constexpr u32 sel = (5u << 12) | (5u << 8) | (kByte << 4) | 4u;
+    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(table) + prmt(word, lane8, sel));
+}
+
+template <int kByte>
+__device__ __forceinline__ u32 scaled_pair(const float2* table, u32 word, u32 lane8, float s) {
+    const float2 p = pair_of<kByte>(table, word, lane8);
+    return pack2(mul_ftz(p.x, s), mul_ftz(p.y, s));
+}
+
+// decode_frag's registers from the pair table: the same products, the same order.
+template <int kHalf>
+__device__ __forceinline__ void decode_frag_pairs(u32 a[4], u32 lo_word, u32 hi_word, float s_lo, float s_hi,
+                                                  const float2* table, u32 lane8) {
+    a[0] = scaled_pair<2 * kHalf>(table, lo_word, lane8, s_lo);
+    a[2] = scaled_pair<2 * kHalf + 1>(table, lo_word, lane8, s_lo);
+    a[1] = scaled_pair<2 * kHalf>(table, hi_word, lane8, s_hi);
+    a[3] = scaled_pair<2 * kHalf + 1>(table, hi_word, lane8, s_hi);
+}
+#endif
+
 // The shared-memory matrix descriptor of a K-major operand without swizzle (PTX ISA, "Matrix
 // Descriptor Format"): start address, leading (k) and stride (8-row) byte offsets, each >> 4.
 __device__ __forceinline__ unsigned long long smem_desc(const void* p) {
@@ -140,16 +189,25 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
 // z = token tiles; partial sums added by matmul_4bit_finish in split order), except that at 64
 // tokens (MM_CLUSTER_SPLITS 2) two splits may run as a cluster that adds them (add_splits_in_cluster).
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
-    __shared__ __align__(16) float s_code[16];
-#if MM_TOKENS == 128  // two stages (64 KB) pass the 48 KB a kernel may declare: the launch passes them
+#if WIDE_PAIRS  // the pair table (and at 128 tokens the two stages) pass the 48 KB a kernel may declare
     extern __shared__ __align__(128) unsigned char s_dynamic[];
-    auto& s_act = *reinterpret_cast<unsigned char(*)[ACT_STAGES][STAGE_BYTES]>(s_dynamic);
+    const float2* s_pairs = reinterpret_cast<const float2*>(s_dynamic);
+#else
+    __shared__ __align__(16) float s_code[16];
+#endif
+#if MM_TOKENS == 128
+    auto& s_act = *reinterpret_cast<unsigned char(*)[ACT_STAGES][STAGE_BYTES]>(s_dynamic + WIDE_PAIR_TABLE_BYTES);
 #else
     __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
 #endif
     MM_SCALES_PROLOGUE;
     cp_async_commit();  // the scales' code book: this kernel's only cp.async group
+#if WIDE_PAIRS
+    stage_wide_pairs(reinterpret_cast<float2*>(s_dynamic));
+    const u32 lane8 = (threadIdx.x & 31) * 8;
+#else
     if (threadIdx.x == 0) stage_code_table(s_code);
+#endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_lo = (blockIdx.x * MM_WARPS + (threadIdx.x >> 5)) * 16 + g, n_hi = n_lo + 8;
@@ -207,7 +265,14 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
 #pragma unroll
             for (int s = 0; s < GROUP; ++s) {
                 const int j = GROUP * p + s, q = j >> 1, h = j & 1;  // slice j: bytes 2j, 2j + 1 (word q, half h)
+#if WIDE_PAIRS
+                if (h == 0)
+                    decode_frag_pairs<0>(a[GROUP * (p & 1) + s], lo[q], hi[q], s_lo, s_hi, s_pairs, lane8);
+                else
+                    decode_frag_pairs<1>(a[GROUP * (p & 1) + s], lo[q], hi[q], s_lo, s_hi, s_pairs, lane8);
+#else
                 decode_frag(a[GROUP * (p & 1) + s], lo[q], hi[q], h, s_lo, s_hi, s_code);
+#endif
             }
             wgmma_fence();  // the decoded registers before the wgmmas that read them
 #pragma unroll
