@@ -70,6 +70,28 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// The code table's bits as a constant array, for kernels that build tables of code pairs from it.
+__constant__ unsigned c_code_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
+
+// Tables of code pairs (a packed byte e indexes the pair of its two codes), one copy of each entry a
+// lane of a shared-memory access phase, the copy's offset `lane_bytes` (below 128) in every byte of
+// a word: entry e's copy sits at (e & 127) * 256 + (e >> 7) * 128 + that offset. Its low 7 bits go
+// to the address's second byte, its top bit with the lane's offset to the first, zeros above (the
+// sign of a byte whose top bit is clear). Two instructions a word of 4 bytes, then one prmt a byte.
+struct PairAddresses {
+    u32 low7, top;
+};
+
+__device__ __forceinline__ PairAddresses pair_addresses(u32 x, u32 lane_bytes) {
+    return {x & 0x7f7f7f7fu, lop3_and_or(x, 0x80808080u, lane_bytes)};
+}
+
+template <int kByte>
+__device__ __forceinline__ u32 pair_offset(const PairAddresses& a) {
+    constexpr u32 sel = ((8u | kByte) << 12) | ((8u | kByte) << 8) | (kByte << 4) | (4u + kByte);
+    return prmt(a.low7, a.top, sel);
+}
+
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if MM_DTYPE == 0
     asm volatile(

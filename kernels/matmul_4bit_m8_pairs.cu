@@ -59,8 +59,6 @@
 
 // Entry e: code[e >> 4] (the byte's high nibble, the lower k) in the low half, code[e & 15] in the
 // high half, each rounded to nearest in A's dtype.
-__constant__ unsigned c_code_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
-
 __device__ __forceinline__ u32 code_pair(int e) {
     return pack2(__uint_as_float(c_code_bits[e >> 4]), __uint_as_float(c_code_bits[e & 15]));
 }
@@ -75,23 +73,11 @@ __device__ __forceinline__ void stage_pair_table(u32* table) {
     }
 }
 
-// Looks up the 4 bytes of a packed word for one lane: `lane_bytes` holds lane * 4 in every byte.
-// A byte e's address is (e & 127) * 256 + (e >> 7) * 128 + lane * 4: its low 7 bits go to the
-// address's second byte, its top bit with the lane's offset to the first, zeros above (the sign
-// of a byte whose top bit is clear). Two instructions a word, then one prmt a byte.
-struct PairAddresses {
-    u32 low7, top;
-};
-
-__device__ __forceinline__ PairAddresses pair_addresses(u32 x, u32 lane_bytes) {
-    return {x & 0x7f7f7f7fu, lop3_and_or(x, 0x80808080u, lane_bytes)};
-}
-
+// Looks up byte kByte of a packed word for one lane (pair_addresses with lane * 4 in every byte:
+// 32 copies of 4 bytes, a warp's 32 lanes in 32 banks).
 template <int kByte>
 __device__ __forceinline__ u32 lookup(const u32* table, const PairAddresses& a) {
-    constexpr u32 sel = ((8u | kByte) << 12) | ((8u | kByte) << 8) | (kByte << 4) | (4u + kByte);
-    const u32 offset = prmt(a.low7, a.top, sel);
-    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(table) + offset);
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(table) + pair_offset<kByte>(a));
 }
 
 // The thread's index read again (a volatile read: the compiler cannot keep an earlier one live).

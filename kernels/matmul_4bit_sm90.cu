@@ -45,40 +45,32 @@
 #endif
 
 // From 64 tokens up the codes are looked up two at a time: a byte of packed codes indexes a table of
-// 256 fp32 pairs (code[e >> 4], code[e & 15]), 32 copies of each, copy l for lane l, 8 bytes apart,
-// so each half-warp of a 64-bit load reads 16 different banks pairs whatever its bytes (64 KB,
-// dynamic shared memory before the stages). A byte becomes its address by one prmt (entry e at
-// e * 256 + lane * 8), so a pair is prmt + 64-bit load + 2 FMUL + pack where one code a lookup was
-// prmt + load + FMUL a code, a pack a pair, and two shifts and two masks a word. Each weight is still
-// the fp32 code times the fp32 scale, rounded once to A's dtype: the same bits. Below 64 tokens the
-// table would cap the blocks an SM (kernels/NOTES.md, "Code pairs in the Hopper wide kernel").
+// 256 fp32 pairs (code[e >> 4], code[e & 15]) in dynamic shared memory before the stages. A 64-bit
+// shared load is served a half-warp at a time, so 16 copies of each entry, copy c for lanes c and
+// c + 16, 8 bytes apart, put a half-warp's 16 loads in 16 different bank pairs whatever their bytes
+// (32 KB; pair_addresses' layout). A pair is then its share of two instructions a word, a prmt, one
+// 64-bit load, 2 FMUL and the pack, where one code a lookup was a prmt, a load and an FMUL a code,
+// the pack, and two shifts and two masks a word. Each weight is still the fp32 code times the fp32
+// scale rounded once to A's dtype: the same bits. Below 64 tokens the table would cap the blocks an
+// SM (kernels/NOTES.md, "Code pairs in the Hopper wide kernel").
 #define WIDE_PAIRS (MM_TOKENS >= 64)
-#define WIDE_PAIR_TABLE_BYTES (256 * 32 * 8)
+#define WIDE_PAIR_TABLE_BYTES (256 * 16 * 8)
 
 #if WIDE_PAIRS
-__constant__ unsigned c_code_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
-
 // The table by the block's threads, two copies of an entry a 16-byte store.
 __device__ __forceinline__ void stage_wide_pairs(float2* table) {
 #pragma unroll 1
     for (int i = threadIdx.x; i < WIDE_PAIR_TABLE_BYTES / 16; i += THREADS) {
-        const int e = i / 16;  // 16 stores an entry
+        const int row = i / 16, half = (i / 8) & 1;  // 16 stores a row of 256 bytes: entries e, e | 128
+        const int e = (row % 128) | (half ? 128 : 0);
         const float x = __uint_as_float(c_code_bits[e >> 4]), y = __uint_as_float(c_code_bits[e & 15]);
         reinterpret_cast<float4*>(table)[i] = make_float4(x, y, x, y);
     }
 }
 
-// The pair of byte kByte of `word` for the lane whose copy offset (lane * 8) is `lane8`: byte 1 of the
-// address is the code byte, byte 0 the lane's offset, bytes 2-3 lane8's zero byte 1.
 template <int kByte>
-__device__ __forceinline__ float2 pair_of(const float2* table, u32 word, u32 lane8) {
-    constexpr u32 sel = (5u << 12) | (5u << 8) | (kByte << 4) | 4u;
-    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(table) + prmt(word, lane8, sel));
-}
-
-template <int kByte>
-__device__ __forceinline__ u32 scaled_pair(const float2* table, u32 word, u32 lane8, float s) {
-    const float2 p = pair_of<kByte>(table, word, lane8);
+__device__ __forceinline__ u32 scaled_pair(const float2* table, const PairAddresses& a, float s) {
+    const float2 p = *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(table) + pair_offset<kByte>(a));
     return pack2(mul_ftz(p.x, s), mul_ftz(p.y, s));
 }
 
@@ -86,10 +78,11 @@ __device__ __forceinline__ u32 scaled_pair(const float2* table, u32 word, u32 la
 template <int kHalf>
 __device__ __forceinline__ void decode_frag_pairs(u32 a[4], u32 lo_word, u32 hi_word, float s_lo, float s_hi,
                                                   const float2* table, u32 lane8) {
-    a[0] = scaled_pair<2 * kHalf>(table, lo_word, lane8, s_lo);
-    a[2] = scaled_pair<2 * kHalf + 1>(table, lo_word, lane8, s_lo);
-    a[1] = scaled_pair<2 * kHalf>(table, hi_word, lane8, s_hi);
-    a[3] = scaled_pair<2 * kHalf + 1>(table, hi_word, lane8, s_hi);
+    const PairAddresses lo = pair_addresses(lo_word, lane8), hi = pair_addresses(hi_word, lane8);
+    a[0] = scaled_pair<2 * kHalf>(table, lo, s_lo);
+    a[2] = scaled_pair<2 * kHalf + 1>(table, lo, s_lo);
+    a[1] = scaled_pair<2 * kHalf>(table, hi, s_hi);
+    a[3] = scaled_pair<2 * kHalf + 1>(table, hi, s_hi);
 }
 #endif
 
@@ -202,10 +195,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
 #endif
     MM_SCALES_PROLOGUE;
     cp_async_commit();  // the scales' code book: this kernel's only cp.async group
-#if WIDE_PAIRS
-    stage_wide_pairs(reinterpret_cast<float2*>(s_dynamic));
-    const u32 lane8 = (threadIdx.x & 31) * 8;
-#else
+#if !WIDE_PAIRS
     if (threadIdx.x == 0) stage_code_table(s_code);
 #endif
 
@@ -227,8 +217,12 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
     StepWeights cur;
     load_step(cur, first < last ? first : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2, bs2_log2);
     ActChunks act;
+    if (first < last) load_chunks(act, A, m0, rows, first * STEP_K, K);
+#if WIDE_PAIRS  // under the first loads: a split of a few steps (small weights) pays little for it
+    stage_wide_pairs(reinterpret_cast<float2*>(s_dynamic));
+    const u32 lane8 = (threadIdx.x & 15) * 0x08080808u;  // the lane's copy, 8 bytes each, in every byte
+#endif
     if (first < last) {
-        load_chunks(act, A, m0, rows, first * STEP_K, K);
         store_chunks(s_act[0], act);
         if (first + 1 < last) load_chunks(act, A, m0, rows, (first + 1) * STEP_K, K);
     }

@@ -1,8 +1,9 @@
 """The fused matmul kernels' data movement, lane by lane, in Python: which bytes each lane of a warp
 loads, how it turns them into mma fragments, and where the accumulators land, transcribed from
 kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more), kernels/matmul_4bit_m8.cu (``M8``,
-its prmt table lookups included) and kernels/matmul_4bit_m8_pairs.cu (``M8P_64`` and ``M8P_32``:
-chunks of 64 or 32 k, the pair table's lookups included); the mma itself is assembled from its
+its prmt table lookups included), kernels/matmul_4bit_m8_pairs.cu (``M8P_64`` and ``M8P_32``:
+chunks of 64 or 32 k, the pair table's lookups included) and kernels/matmul_4bit_sm90.cu (WIDE's
+lanes, its pair table from 64 tokens: ``SM90_PAIRS``); the mma itself is assembled from its
 fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32
 accumulators).
 
@@ -13,6 +14,7 @@ the epilogue) without a GPU; it cannot prove the compiled code.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable
@@ -111,13 +113,18 @@ def _m8p_define(name: str) -> int:
     return int(match.group(1))
 
 
-# kernels/matmul_4bit_m8_pairs.cu's pair table: its size, the byte masks of pair_addresses, lookup's
-# selector for byte b, the lane's offset and the entry each stored word holds, read from the source.
+# kernels/matmul_4bit_common.cuh's addressing of the tables of code pairs (pair_addresses' byte masks,
+# pair_offset's selector for byte b) and kernels/matmul_4bit_m8_pairs.cu's table: its size, the
+# lane's offset and the entry each stored word holds, read from the sources.
+_COMMON = "matmul_4bit_common.cuh"
 PAIR_ROWS, PAIR_ROW_WORDS = _m8p_define("PAIR_ROWS"), _m8p_define("PAIR_ROW_WORDS")
-_PAIR_MASKS = re.search(r"return \{x & (0x[0-9a-f]+)u, lop3_and_or\(x, (0x[0-9a-f]+)u, lane_bytes\)\};", _M8P_SOURCE)
-assert _PAIR_MASKS, f"kernels/{_M8P} no longer has pair_addresses' masks where this reads them"
+_PAIR_MASKS = re.search(
+    r"return \{x & (0x[0-9a-f]+)u, lop3_and_or\(x, (0x[0-9a-f]+)u, lane_bytes\)\};",
+    (jit.kernels_dir() / _COMMON).read_text(),
+)
+assert _PAIR_MASKS, f"kernels/{_COMMON} no longer has pair_addresses' masks where this reads them"
 LOW7_MASK, TOP_MASK = (int(v, 16) for v in _PAIR_MASKS.groups())
-PAIR_SELECTOR = _source_expression(_M8P, r"constexpr u32 sel = ([^;]+);", "kByte")
+PAIR_SELECTOR = _source_expression(_COMMON, r"constexpr u32 sel = ([^;]+);", "kByte")
 LANE_BYTES = _source_expression(_M8P, r"const u32 lane_bytes = \(threadIdx\.x & 31\) \* ([^;]+);", "")()
 _PAIR_ENTRY = _source_expression(_M8P, r"const u32 v = code_pair\(([^;]+)\);", "row, quarter")
 
@@ -134,9 +141,10 @@ def pair_table() -> list[int]:
 PAIR_TABLE = pair_table()
 
 
-def pair_address(word: int, byte: int, lane: int) -> int:
-    """The byte address (from the table's start) lookup<byte> reads for ``lane``."""
-    low7, top = word & LOW7_MASK, (word & TOP_MASK) | (lane * LANE_BYTES)
+def pair_address(word: int, byte: int, lane: int, lane_bytes: int | None = None) -> int:
+    """The byte address (from the table's start) pair_offset<byte> gives ``lane``, whose offset in
+    every byte is ``lane_bytes`` (the pair-table kernel's, lane * LANE_BYTES, unless given)."""
+    low7, top = word & LOW7_MASK, (word & TOP_MASK) | (lane * LANE_BYTES if lane_bytes is None else lane_bytes)
     return byte_perm(low7, top, PAIR_SELECTOR(byte))
 
 
@@ -494,6 +502,51 @@ def sm90_b_operand(stage: dict[int, float], j: int, lay: dict[str, int]) -> torc
     return b
 
 
+# From WIDE_PAIRS_TOKENS tokens up the kernel decodes through a table of fp32 code pairs (stage_wide_pairs):
+# its size, the entry each 16-byte store holds (two copies), and a thread's copy offset.
+WIDE_PAIRS_TOKENS = int(re.search(r"^#define WIDE_PAIRS \(MM_TOKENS >= (\d+)\)", _SM90, re.MULTILINE).group(1))
+WIDE_PAIR_TABLE_BYTES = eval(_sm90_define("WIDE_PAIR_TABLE_BYTES"))
+_WIDE_ROW = _source_expression("matmul_4bit_sm90.cu", r"const int row = ([^,]+), half = [^;]+;", "i")
+_WIDE_HALF = _source_expression("matmul_4bit_sm90.cu", r"const int row = [^,]+, half = ([^;]+);", "i")
+_WIDE_ENTRY = _source_expression("matmul_4bit_sm90.cu", r"const int e = ([^;]+);", "row, half")
+_WIDE_LANE_BYTES = _source_expression("matmul_4bit_sm90.cu", r"const u32 lane8 = ([^;]+);", "threadIdx")
+
+
+class _Thread:
+    def __init__(self, tid: int):
+        self.x = tid
+
+
+def wide_lane_bytes(tid: int) -> int:
+    return _WIDE_LANE_BYTES(_Thread(tid))
+
+
+def wide_pair_table() -> list[int]:
+    """stage_wide_pairs: the entry (packed byte) each 8-byte slot of the table holds."""
+    slots = []
+    for i in range(WIDE_PAIR_TABLE_BYTES // 16):
+        slots += [_WIDE_ENTRY(_WIDE_ROW(i), _WIDE_HALF(i))] * 2
+    return slots
+
+
+WIDE_PAIR_TABLE = wide_pair_table()
+
+
+def _decode_word_wide_pairs(word: int, scale: float, code: list[float], tid: int = 0) -> list[float]:
+    """decode_frag_pairs for one feature's word: byte b's slot gives (code of its high nibble, code
+    of its low nibble), each times the scale, in k order."""
+    values = []
+    for byte in range(4):
+        address = pair_address(word, byte, 0, wide_lane_bytes(tid))
+        assert address % 8 == 0 and address // 8 < len(WIDE_PAIR_TABLE)
+        entry = WIDE_PAIR_TABLE[address // 8]
+        values += [code[entry >> 4] * scale, code[entry & 0xF] * scale]
+    return values
+
+
+SM90_PAIRS = dataclasses.replace(WIDE, decode=_decode_word_wide_pairs)
+
+
 def emulate_sm90(
     A: torch.Tensor, packed: bytes, scales: torch.Tensor, code: list[float], N: int, K: int, tokens: int, warps: int
 ) -> torch.Tensor:
@@ -501,6 +554,7 @@ def emulate_sm90(
     hold operand A as WIDE's lanes decode it (rows 16w .. 16w + 15 of the 64), operand B read from
     the staged tile, one wgmma a slice; the accumulators land as mma.sync's, per warp."""
     lay = sm90_layout(tokens, warps)
+    layout = SM90_PAIRS if tokens >= WIDE_PAIRS_TOKENS else WIDE
     M, act = A.shape[0], A.double()
     out = torch.zeros(M, N, dtype=torch.float64)
     for m0 in range(0, M, tokens):
@@ -512,7 +566,7 @@ def emulate_sm90(
                 for j in range(8):
                     a = torch.zeros(64, 16, dtype=torch.float64)
                     for w in range(4):
-                        a[16 * w : 16 * w + 16] = a_operand(packed, scales, code, N, K, n0 + 16 * w, step, j, WIDE)
+                        a[16 * w : 16 * w + 16] = a_operand(packed, scales, code, N, K, n0 + 16 * w, step, j, layout)
                     acc += a @ sm90_b_operand(stage, j, lay)
             for w, lane in itertools.product(range(4), range(32)):
                 for i in range(tokens // 8):

@@ -74,14 +74,14 @@ def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arc
         assert res["arch"] == target and 0 < res["registers"] <= 255
         assert res["spill_store_bytes"] == res["spill_load_bytes"] == res["stack_frame_bytes"] == 0
     # The wide tiles' 16-entry code table (the wgmma kernel's from 64 tokens: a pair table of 256
-    # entries of 8 bytes, 32 copies each), the nested decode kernel's pair table (256 entries of 4
+    # entries of 8 bytes, 16 copies each), the nested decode kernel's pair table (256 entries of 4
     # bytes, 32 copies each; the plain one's codes are immediates), nested: the scales' 256-entry code
     # book, and two stages of the activation tile (a step's k of every token, 2 bytes each; the
     # decode and wgmma kernels' tiles have padded strides: their own rules). Static shared memory and
     # the launch's dynamic bytes together (the pair-table kernel at 16 tokens passes 48 KB).
     table = {matmul_kernel.SOURCE_M8: 0, matmul_kernel.SOURCE_M8_PAIRS: 256 * 4 * 32}.get(source, 64)
-    if source == matmul_kernel.SOURCE_SM90 and variant.tokens >= 64:  # 256 fp32 pairs, 32 copies each
-        table = 256 * 8 * 32
+    if source == matmul_kernel.SOURCE_SM90 and variant.tokens >= 64:  # 256 fp32 pairs, 16 copies each
+        table = 256 * 8 * 16
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
     # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row; the

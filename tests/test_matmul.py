@@ -788,12 +788,36 @@ def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_s
         assert table[address // 4] == (word >> (8 * byte)) & 0xFF and (address // 4) % 32 == lane, (word, byte, lane)
 
 
+def test_the_hopper_pair_table_gives_every_lane_its_bytes_entry_without_a_bank_conflict(run_seed):
+    """kernels/matmul_4bit_sm90.cu's table of fp32 code pairs (64 tokens up): for any packed word,
+    thread l's address for byte b holds that byte's entry, 8-byte aligned, inside the table; each
+    half-warp's 16 lanes (a 64-bit shared load's phase) read 32 different banks; the table holds
+    every entry 16 times and is the size the launch passes (``WIDE_PAIR_TABLE_BYTES``)."""
+    from tests import matmul_lanes as ml
+
+    table = ml.WIDE_PAIR_TABLE
+    assert len(table) * 8 == ml.WIDE_PAIR_TABLE_BYTES == matmul_kernel.WIDE_PAIR_TABLE_BYTES
+    assert sorted(table) == sorted(list(range(256)) * 16)
+    assert ml.WIDE_PAIRS_TOKENS == matmul_kernel.WIDE_PAIRS_TILE
+    g = torch.Generator().manual_seed(run_seed)
+    words = [0, 0xFFFFFFFF, 0x80808080, 0x7F7F7F7F, *torch.randint(0, 2**32, (200,), generator=g).tolist()]
+    for word, byte in itertools.product(words, range(4)):
+        for half_warp in (range(16), range(16, 32)):
+            banks = set()
+            for tid in half_warp:
+                address = ml.pair_address(word, byte, 0, ml.wide_lane_bytes(tid))
+                assert address % 8 == 0 and table[address // 8] == (word >> (8 * byte)) & 0xFF, (word, byte, tid)
+                banks |= {address // 4 % 32, address // 4 % 32 + 1}
+            assert len(banks) == 32, (word, byte)
+
+
 @pytest.mark.parametrize(
     ("M", "N", "K", "tokens"),
     [(3, 40, 256, 16), (9, 70, 96 + 128, 16), (20, 24, 320, 32), (70, 130, 160, 64), (100, 70, 160, 128)],
 )
 def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, tokens):
-    """kernels/matmul_4bit_sm90.cu: the lanes' decoded operand A (as WIDE's) and the activations
+    """kernels/matmul_4bit_sm90.cu: the lanes' decoded operand A (as WIDE's; from 64 tokens through
+    the pair table) and the activations
     as store_chunks stages them, read back by wgmma's K-major layout with the kernel's strides,
     must compute A · Wᵀ: the staging undoes the k permutation the weights' side keeps (K = 224 and
     320 end in a partial step; M = 70 fills a second 64-token tile partly, M = 100 a 128-token one)."""

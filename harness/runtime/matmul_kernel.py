@@ -80,8 +80,8 @@ ARITHMETIC = {SOURCE_M8_PAIRS: "scaled-sums"}  # every other source: "dequantize
 STEP_K_M8, STEP_K_WIDE = 256, 128  # k one warp covers per step: 64 a lane, or 32
 WIDE_DYNAMIC_TILE = 128  # the wide tile whose activation stages the launch passes as dynamic shared memory
 PAIR_TABLE_BYTES = 256 * 32 * 4  # SOURCE_M8_PAIRS' table: 256 pairs of codes, 32 copies of each
-WIDE_PAIRS_TILE = 64  # SOURCE_SM90 looks codes up in pairs from this tile up: 256 fp32 pairs, 32 copies
-WIDE_PAIR_TABLE_BYTES = 256 * 32 * 8
+WIDE_PAIRS_TILE = 64  # SOURCE_SM90 looks codes up in pairs from this tile up: 256 fp32 pairs, 16 copies
+WIDE_PAIR_TABLE_BYTES = 256 * 16 * 8
 K_MULTIPLE = 32  # a lane's 32 k are all inside K or all outside: no per-element tail
 ALIGN = 16  # bytes: weights, activations and bias are read 16 bytes at a time
 # The call's operands beside A and the weight (whose rules are the dequantization call's), as data
