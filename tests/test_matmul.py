@@ -817,10 +817,10 @@ def test_the_hopper_pair_table_gives_every_lane_its_bytes_entry_without_a_bank_c
 )
 def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, tokens):
     """kernels/matmul_4bit_sm90.cu: the lanes' decoded operand A (as WIDE's; from 64 tokens through
-    the pair table) and the activations
-    as store_chunks stages them, read back by wgmma's K-major layout with the kernel's strides,
-    must compute A · Wᵀ: the staging undoes the k permutation the weights' side keeps (K = 224 and
-    320 end in a partial step; M = 70 fills a second 64-token tile partly, M = 100 a 128-token one)."""
+    the pair table) and the activations as store_chunks stages them, read back by wgmma's K-major
+    layout with the kernel's strides, must compute A · Wᵀ: the staging undoes the k permutation the
+    weights' side keeps (K = 224 and 320 end in a partial step; M = 70 fills a second 64-token tile
+    partly, M = 100 a 128-token one)."""
     from tests import matmul_lanes
 
     A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
