@@ -151,6 +151,21 @@ def test_size_classes_cover_every_case():
     assert [c.name for c in policy.SIZE_CLASSES] == ["large", "mid", "small"]
 
 
+def test_the_matmul_cases_time_every_build_the_drop_in_picks():
+    """Each fused build of the bf16 nf4 drop-in (token tile, scales, the few-rows build) is timed by
+    some matmul case, and a case past the largest tile times dequantize + F.linear: a kernel the
+    gate never times could get slower unseen."""
+    from harness.runtime import matmul_kernel
+
+    cases = op_checks.matmul.perf_cases()
+    assert len({c.id for c in cases}) == len(cases)
+    largest = matmul_kernel.TOKEN_TILES[-1]
+    timed = {matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens) for c in cases if c.tokens <= largest}
+    builds = {v for v in matmul_kernel.all_variants() if (v.dtype, v.quant_type) == ("bf16", "nf4")}
+    assert timed == builds, sorted(v.name for v in builds - timed)
+    assert any(c.tokens > largest for c in cases)
+
+
 # -- stored baselines -------------------------------------------------------------------------
 
 

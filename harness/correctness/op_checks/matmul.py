@@ -84,15 +84,23 @@ class MatmulCase(PerfCase):
         return matmul_bytes(n, k, self.tokens, self.blocksize, self.nested, self.itemsize)
 
 
-PERF_TOKENS = (1, 8, 32, 128, 256)
+# Rows of the timed calls: one for each build the drop-in picks (matmul_kernel.variant_for: with
+# nested scales the few-rows build at 1, the decode kernel's one and two token tiles at 8 and 16,
+# the wide tiles at 32, 64 and 128) and, with nested scales, dequantize + F.linear past the
+# crossover at 256. Plain fp32 scales (transformers' default, no double quantization) run other
+# kernels: the register tables up to 16 rows, their own wide builds above.
+PERF_TOKENS = (1, 8, 16, 32, 64, 128, 256)
+PLAIN_PERF_TOKENS = (1, 8, 16, 32, 64, 128)
 
 
 def perf_cases() -> list[MatmulCase]:
     """``harness.matmul_4bit`` as a user calls it (the fused kernel up to the GPU's crossover,
-    dequantize + F.linear above) on Llama-3.3-70B's gate, o and k weights at ``PERF_TOKENS`` rows."""
+    dequantize + F.linear above) on Llama-3.3-70B's gate, o and k weights with nested scales at
+    ``PERF_TOKENS`` rows, and its gate weight with plain scales at ``PLAIN_PERF_TOKENS``."""
     by_id = {w.id: w for w in shapes.model_shapes(unique=False)}
     weights = [by_id[f"llama-3.3-70b.{layer}"] for layer in ("gate_proj", "o_proj", "k_proj")]
-    return [MatmulCase(w, "bf16", "nested", tokens=m) for w in weights for m in PERF_TOKENS]
+    nested = [MatmulCase(w, "bf16", "nested", tokens=m) for w in weights for m in PERF_TOKENS]
+    return nested + [MatmulCase(weights[0], "bf16", "plain", tokens=m) for m in PLAIN_PERF_TOKENS]
 
 
 # Sanitizer cases (M, N, K), both kernels split and unsplit: the 8-token kernel with K in two
