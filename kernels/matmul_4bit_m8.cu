@@ -127,7 +127,7 @@ __device__ __forceinline__ void load_step(StepWeights<kOneBlock>& w, int step, c
 // after every 8, so a lane's reads (chunk 8t + j of rows g and g + 1: slots 36g + 9t + j, 8
 // different 16-byte bank groups a quarter warp) are its own base plus offsets known at compile
 // time, where an XOR swizzle cost some 30 integer instructions a step (NOTES).
-__device__ __forceinline__ int act_slot(int row, int c, int row_chunks) {
+__device__ __forceinline__ constexpr int act_slot(int row, int c, int row_chunks) {
     return row * (row_chunks + row_chunks / 8) + c + (c >> 3);
 }
 
@@ -156,7 +156,7 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const elem_t* __r
         for (int i = r; i < MM_TOKENS; i += ACT_ROW_STRIDE)
             if (i < rows) cp_async16(tile + act_slot(i, c, ACT_ROW_CHUNKS), ok ? A + (m0 + i) * K + k : A, ok);
     } else {
-        constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + ACT_ROW_CHUNKS / 8) * 16;
+        constexpr unsigned kRowBytes = 16 * act_slot(ACT_ROW_STRIDE, 0, ACT_ROW_CHUNKS);  // a thread's rows apart
         const int live = r < rows ? (rows - r + ACT_ROW_STRIDE - 1) / ACT_ROW_STRIDE : 0;
         const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
         cp_async16_rows<MM_TOKENS / ACT_ROW_STRIDE, kRowBytes>(tile + act_slot(r, c, ACT_ROW_CHUNKS),

@@ -226,7 +226,7 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
 // chunks of 64 (a quarter warp reads pieces 2t + h of rows 2q and 2q + 1: 8 different 16-byte bank
 // groups), four at chunks of 32 (pieces t of the same rows).
 template <int kChunk>
-__device__ __forceinline__ int act_slot(int row, int piece) {
+__device__ __forceinline__ constexpr int act_slot(int row, int piece) {
     return row * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) + piece;
 }
 
@@ -269,8 +269,7 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& 
                 cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
                            ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
 #else
-    // A thread's rows: act_slot<kChunk>(ACT_ROW_STRIDE, 0) slots of 16 bytes apart in the tile.
-    constexpr unsigned kRowBytes = ACT_ROW_STRIDE * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) * 16;
+    constexpr unsigned kRowBytes = 16 * act_slot<kChunk>(ACT_ROW_STRIDE, 0);  // a thread's rows apart
     const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
     cp_async16_rows<ACT_ROWS_A_THREAD, kRowBytes>(tile + slot, ok ? A + s.from + k0 : A, ok ? row_bytes : 0,
                                                   copy ? s.rows : 0, ok ? 16 : 0);
