@@ -38,10 +38,13 @@
 #define SLICE_BYTES (MM_TOKENS * 32 + 16)
 #define STAGE_BYTES (SLICES * SLICE_BYTES)
 #define THREADS (MM_WARPS * 32)
-#define CHUNKS (MM_TOKENS * (STEP_K / 8) / THREADS)  // 16-byte activation chunks a thread moves a step
-#define ROW_STRIDE (THREADS / 16)                    // tokens between a thread's chunks
-#if CHUNKS * THREADS != MM_TOKENS * (STEP_K / 8) || ROW_STRIDE % 8 != 0
-#error "the activation tile must split into whole chunks per thread, 8-token groups apart"
+// 16-byte activation chunks a thread moves a step (the last one past the tile's rows for some
+// threads where the block's threads do not divide them: 12 warps at 128 tokens)
+#define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)
+#define ROW_STRIDE (THREADS / 16)  // tokens between a thread's chunks
+#define CHUNKS_PAST_TILE (CHUNKS * THREADS != MM_TOKENS * (STEP_K / 8))
+#if ROW_STRIDE % 8 != 0
+#error "the activation tile's chunks must be 8-token groups apart"
 #endif
 
 // From 64 tokens up the codes are looked up two at a time: a byte of packed codes indexes a table of
@@ -171,6 +174,7 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
     unsigned char* base = stage + 2 * (x & 3) * SLICE_BYTES + (r >> 3) * CORE_SBO + (r & 7) * 16 + 4 * (x >> 2);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
+        if (CHUNKS_PAST_TILE && i == CHUNKS - 1 && r + ROW_STRIDE * i >= MM_TOKENS) break;
         unsigned char* row = base + (ROW_STRIDE / 8) * CORE_SBO * i;
         const u32 w[4] = {c.v[i].x, c.v[i].y, c.v[i].z, c.v[i].w};
 #pragma unroll

@@ -72,7 +72,7 @@ TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens one warp multiplies each decoded we
 # Warps per block (16 output features each) by token tile. The warps of a block share one staged
 # activation tile: at 64 tokens, 8 warps halve its share per weight (H100, 28672x8192: 242 -> 192 µs),
 # while the smaller tiles and weights lose more to the fewer, larger blocks (kernels/NOTES.md).
-WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 8}
+WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 12}
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
 # one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
