@@ -249,10 +249,11 @@ __device__ __forceinline__ elem_t from_float(float v) {
 // weight loads after it), a memory latency of every block. The kernel waits for its cp.async groups
 // and synchronizes before using them.
 #if MM_NESTED
+// Unrolled, each copy guarded only where the threads do not divide the 256 (12 warps).
 #define MM_SCALES_PROLOGUE                                                 \
     __shared__ float s_code2[256];                                        \
-    for (int i = threadIdx.x; i < 256; i += MM_WARPS * 32)                \
-        cp_async4(s_code2 + i, code2 + i);                                \
+    for (int i = threadIdx.x, n = 0; n < (256 + MM_WARPS * 32 - 1) / (MM_WARPS * 32); ++n, i += MM_WARPS * 32) \
+        if (256 % (MM_WARPS * 32) == 0 || i < 256) cp_async4(s_code2 + i, code2 + i); \
     const float offset = offset_ptr ? __ldg(offset_ptr) : offset_value
 #else
 #define MM_SCALES_PROLOGUE             \

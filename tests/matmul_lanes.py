@@ -466,6 +466,12 @@ _STORE_WORD = _source_expression(
 )
 
 
+def sm90_stores(tid: int, i: int, lay: dict[str, int]) -> bool:
+    """Whether thread ``tid`` stores its chunk i: store_chunks skips a chunk past the tile's rows
+    (its last, where the block's threads do not divide the tile's chunks: 12 warps at 128 tokens)."""
+    return (tid >> 4) + lay["ROW_STRIDE"] * i < lay["MM_TOKENS"]
+
+
 def sm90_store_address(tid: int, i: int, q: int, lay: dict[str, int]) -> int:
     """The stage byte store_chunks writes word q of thread ``tid``'s chunk i to."""
     base = _STORE_BASE(tid & 15, tid >> 4, lay["SLICE_BYTES"], lay["CORE_SBO"])
@@ -479,7 +485,7 @@ def sm90_stage(act: torch.Tensor, step: int, K: int, lay: dict[str, int]) -> dic
     M, stage = act.shape[0], {}
     for tid in range(lay["THREADS"]):
         x = tid & 15
-        for i in range(lay["CHUNKS"]):
+        for i in (i for i in range(lay["CHUNKS"]) if sm90_stores(tid, i, lay)):
             r, k = (tid >> 4) + lay["ROW_STRIDE"] * i, step * STEP_K_WIDE + 8 * x
             for q in range(4):
                 address = sm90_store_address(tid, i, q, lay)

@@ -307,8 +307,9 @@ def _stand_in_matmul_plan(max_clusters: tuple[int, ...]):
         shared = variant.dynamic_shared_bytes("sm_90")
         main = _stand_in_kernel(variant.name, matmul_kernel.MAIN_PARAMS, shared)
         finish = _stand_in_kernel(f"{variant.name}-finish", matmul_kernel.FINISH_PARAMS)
-        block, rule = matmul_kernel.threads(variant.tokens), variant.grid_rule("sm_90")
-        return matmul_kernel.Plan(main, finish, block, BLOCKS_PER_SM, SMS, clusters, rule)
+        block, rule = matmul_kernel.threads(variant.tokens, variant.warps), variant.grid_rule("sm_90")
+        alternative = variant.alternative("sm_90")
+        return matmul_kernel.Plan(main, finish, block, BLOCKS_PER_SM, SMS, clusters, rule, variant.warps, alternative)
 
     return plan_of
 

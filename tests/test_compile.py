@@ -62,9 +62,12 @@ def test_every_variant_compiles_for_every_arch(compiled_all, variant, arch):
     assert res["shared_bytes"] == (64 + 1024 if variant.nested else 64)
 
 
-@pytest.mark.parametrize("arch", jit.CHECKED_ARCHS)
-@pytest.mark.parametrize("variant", matmul_kernel.all_variants(), ids=lambda v: v.name)
-def test_every_matmul_variant_compiles_for_every_arch(compiled_all, variant, arch):
+@pytest.mark.parametrize(
+    ("variant", "arch"),
+    [(v, arch) for arch in jit.CHECKED_ARCHS for v in matmul_kernel.all_variants(arch)],
+    ids=lambda p: getattr(p, "name", p),
+)
+def test_every_matmul_variant_compiles_for_every_arch_it_is_built_for(compiled_all, variant, arch):
     compiled = compiled_all[f"{variant.name}@{arch}"]
     assert compiled["elf"]
     resources = {r["kernel"]: r for r in compiled["resources"]}

@@ -66,7 +66,10 @@ def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
         ],
         16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
         64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES)],
-        128: [mk.Plan(None, None, 256, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES)],
+        128: [
+            mk.Plan(None, None, 32 * warps, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, warps)
+            for warps in (mk.WARPS[128], mk.WIDE_WARPS[128])
+        ],
     }
     shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}
     for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 33, 64, 65, 128, 300)):
@@ -142,6 +145,27 @@ def test_a_recorded_sweep_is_judged_again_with_this_checkouts_rules_without_a_gp
     assert grid_sweep.main([f"--out={tmp_path / 'c'}", f"--replay={recorded}", "--geomean-tolerance=1"]) == 1
 
 
+def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
+    """A 128-row case on a Hopper plan that recorded the alternative build's plan too: the rules pick
+    between the builds (``pick_plan``) and name the alternative's grids ``w12 ...``; a case without
+    it (recorded before the second build) replays the first build only."""
+    from tests import hopper_plans as hopper
+
+    M, N, K = 128, 28672, 8192
+    first = mk.Plan(None, None, 256, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, mk.WARPS[128])
+    wide = mk.Plan(None, None, 384, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, mk.WIDE_WARPS[128])
+    assert mk.cheapest((first, wide), M, N, K, 128) is wide  # 150 groups against 224 on 132 SMs
+    name = grid_sweep.grid_name(wide.grid(M, N, K, 128), wide.warps)
+    default = grid_sweep.grid_name(first.grid(M, N, K, 128))
+    assert name.startswith("w12 ") and not default.startswith("w")
+    case = {"layer": f"gate {N}x{K}", "M": M, "N": N, "K": K, "tokens": 128, "kernel": mk.SOURCE_SM90}
+    case |= {"plan": grid_sweep.plan_inputs(first), "all in bound": True}
+    both = case | {"alternative plans": [grid_sweep.plan_inputs(wide)], "µs by grid": {default: 220.0, name: 214.0}}
+    row = grid_sweep.case_row(both, 0.05)
+    assert row["rules' grid"] == name and row["fastest grid"] == name and row["ok"]
+    assert grid_sweep.case_row(case | {"µs by grid": {default: 220.0}}, 0.05)["rules' grid"] == default
+
+
 RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid-sweep-*.json"))
 # What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the rules'
 # grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded up: a
@@ -194,7 +218,7 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
     for case in result["cases"]:
         plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"]), cuda.index)
         assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
-        assert len(case["µs by grid"]) > 2 and grid_sweep.grid_name(grid_sweep.rules_grid(case)) in case["µs by grid"]
+        assert len(case["µs by grid"]) > 2 and grid_sweep.rules_choice(case) in case["µs by grid"]
     assert status == 0 and result["summary"]["cases out of bound"] == 0
     replayed = tmp_path / "replay"
     assert grid_sweep.main([f"--out={replayed}", f"--replay={tmp_path / 'run' / 'grid-sweep.json'}", *args[2:]]) == 0

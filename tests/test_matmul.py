@@ -346,6 +346,62 @@ def test_a_grid_of_448_groups_on_132_sms_is_split_in_two():
     assert all(matmul_kernel.grid_for(1, 28672, 8192, 8, 4, 132, rule=rule).splits == 2 for rule in (BUSIEST, WAVES))
 
 
+def test_the_12_warp_build_of_the_128_token_tile_is_built_and_offered_on_hopper_only():
+    """The wgmma kernel's second build (WIDE_WARPS) is compiled for sm_90 alone (sm_80's kernel would
+    spill) and offered there as the 8-warp build's alternative, never the other way round; no other
+    tile has one."""
+    from harness.runtime import jit
+
+    wide = {v for v in matmul_kernel.all_variants() if v.warps != matmul_kernel.WARPS[v.tokens]}
+    assert {(v.tokens, v.warps) for v in wide} == {(128, 12)} and len(wide) == 8
+    for arch in jit.CHECKED_ARCHS:
+        built = set(matmul_kernel.all_variants(arch))
+        assert (wide <= built) == (arch in matmul_kernel.WGMMA_TARGETS) and not (wide & built) == (arch == "sm_90")
+    for v in wide:
+        first = dataclasses.replace(v, warps=0)
+        assert first.warps == 8 and first.alternative("sm_90") == v and first.alternative("sm_89") is None
+        assert (
+            v.alternative("sm_90") is None and v.name.endswith("-w12") and dict(v.macros("sm_90"))["MM_WARPS"] == "12"
+        )
+    for tokens in (8, 16, 32, 64):
+        assert matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).alternative("sm_90") is None
+        with pytest.raises(ValueError, match="no 12-warp build"):
+            matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens, warps=12)
+
+
+# Weights at 128 rows and the build the cost picks on an H100 (132 SMs, one block an SM), as the
+# sweep of both builds measured the faster (kernels/NOTES.md, "12 warps at 128 tokens").
+PICKS_128 = {
+    (28672, 8192): 12, (21504, 5376): 12, (18944, 3584): 12, (8192, 28672): 12, (8192, 8192): 12,
+    (1024, 8192): 8, (16384, 3072): 8, (14336, 4096): 8, (4096, 4096): 8, (512, 3584): 8,
+}  # fmt: skip
+
+
+def test_a_128_row_call_takes_the_build_whose_grid_costs_less():
+    """``pick_plan`` compares the waves cost of each build's grid times its step time: the wider
+    blocks win where their grid divides among the SMs no worse (and tie goes to the first)."""
+    plans = {
+        w: matmul_kernel.Plan(None, None, 32 * w, hopper.WIDE128_PER_SM, hopper.SMS, (), WAVES, w) for w in (8, 12)
+    }
+    for (N, K), warps in PICKS_128.items():
+        assert matmul_kernel.cheapest((plans[8], plans[12]), 128, N, K, 128).warps == warps, (N, K)
+        cost = {w: p.cost(128, N, K, 128) for w, p in plans.items()}
+        assert (cost[12] < cost[8]) == (warps == 12)
+        assert cost[12] == matmul_kernel.waves_cost(plans[12].grid(128, N, K, 128), 1, hopper.SMS) * 1.24
+    small = {w: p.cost(128, 48, 96, 128) for w, p in plans.items()}  # one block either way
+    assert small[12] > small[8] and matmul_kernel.cheapest((plans[8], plans[12]), 128, 48, 96, 128) is plans[8]
+    variant = matmul_kernel.MatmulVariant("bf16", "nf4", True, 128)
+    offered = dataclasses.replace(plans[8], alternative=variant.alternative("sm_90"))
+
+    def plan_of(v, device):
+        assert device == 3
+        return offered if v == variant else plans[v.warps]
+
+    assert matmul_kernel.pick_plan(variant, 3, 128, 28672, 8192, plan_of) is plans[12]
+    assert matmul_kernel.pick_plan(variant, 3, 128, 1024, 8192, plan_of) is offered
+    assert matmul_kernel.pick_plan(variant, 3, 128, 28672, 8192, lambda v, d: plans[8]) is plans[8]  # none offered
+
+
 def test_the_grid_steps_k_as_each_kernel_source_does():
     """The grid's steps must be the kernel's own, or splits would cover too much or too little of K."""
     import re
@@ -824,8 +880,9 @@ def test_the_hopper_kernels_operands_meet_in_wgmmas_layouts(run_seed, M, N, K, t
     from tests import matmul_lanes
 
     A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
-    got = matmul_lanes.emulate_sm90(A, packed, scales, code, N, K, tokens, matmul_kernel.WARPS[tokens])
-    torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+    for warps in {matmul_kernel.WARPS[tokens], matmul_kernel.WIDE_WARPS.get(tokens, 0)} - {0}:
+        got = matmul_lanes.emulate_sm90(A, packed, scales, code, N, K, tokens, warps)
+        torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("tokens", [t for t in matmul_kernel.TOKEN_TILES if t > matmul_kernel.DECODE_TILES[0]])
@@ -834,12 +891,18 @@ def test_the_hopper_kernels_staging_stores_hit_32_banks_and_stay_in_its_stage(to
     and every slice starts 16-byte aligned (a wgmma descriptor's address unit)."""
     from tests import matmul_lanes
 
-    lay = matmul_lanes.sm90_layout(tokens, matmul_kernel.WARPS[tokens])
-    assert lay["SLICE_BYTES"] % 16 == 0 and lay["CORE_LBO"] % 16 == 0 and lay["CORE_SBO"] % 16 == 0
-    for warp, i, q in itertools.product(range(lay["THREADS"] // 32), range(lay["CHUNKS"]), range(4)):
-        addresses = [matmul_lanes.sm90_store_address(32 * warp + lane, i, q, lay) for lane in range(32)]
-        assert len({a // 4 % 32 for a in addresses}) == 32, (warp, i, q)
-        assert all(0 <= a and a + 4 <= 8 * lay["SLICE_BYTES"] for a in addresses)
+    for warps in {matmul_kernel.WARPS[tokens], matmul_kernel.WIDE_WARPS.get(tokens, 0)} - {0}:
+        lay = matmul_lanes.sm90_layout(tokens, warps)
+        assert lay["SLICE_BYTES"] % 16 == 0 and lay["CORE_LBO"] % 16 == 0 and lay["CORE_SBO"] % 16 == 0
+        stored = 0
+        for warp, i, q in itertools.product(range(lay["THREADS"] // 32), range(lay["CHUNKS"]), range(4)):
+            lanes = [lane for lane in range(32) if matmul_lanes.sm90_stores(32 * warp + lane, i, lay)]
+            assert len(lanes) in (0, 32), (warps, warp, i)  # a warp's 32 lanes store a chunk or none do
+            addresses = [matmul_lanes.sm90_store_address(32 * warp + lane, i, q, lay) for lane in lanes]
+            assert len({a // 4 % 32 for a in addresses}) == len(lanes), (warps, warp, i, q)
+            assert all(0 <= a and a + 4 <= 8 * lay["SLICE_BYTES"] for a in addresses)
+            stored += len(lanes)
+        assert stored == 4 * tokens * matmul_kernel.STEP_K_WIDE // 8, warps  # every chunk of the tile once
 
 
 def test_it_traces_in_one_graph_to_the_ops_checks():

@@ -151,17 +151,32 @@ def test_size_classes_cover_every_case():
     assert [c.name for c in policy.SIZE_CLASSES] == ["large", "mid", "small"]
 
 
-def test_the_matmul_cases_time_every_build_the_drop_in_picks():
-    """Each fused build of the bf16 nf4 drop-in (token tile, scales, the few-rows build) is timed by
-    some matmul case, and a case past the largest tile times dequantize + F.linear: a kernel the
-    gate never times could get slower unseen."""
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
+    """On an A100 and on an H100 (the Hopper builds, picked per weight: ``pick_plan``), each fused
+    build of the bf16 nf4 drop-in (token tile, scales, the few-rows build, the 128-token tile's two
+    Hopper builds) is timed by some matmul case, and a case past the largest tile times
+    dequantize + F.linear: a kernel the gate never times could get slower unseen."""
     from harness.runtime import matmul_kernel
+    from tests import hopper_plans as hopper
+
+    built = {}  # id of a stand-in plan -> (its build, the plan)
+
+    def plan_of(variant, _device):  # what the rules read of a plan on that GPU (132 SMs; A100 108)
+        sms, alternative = (hopper.SMS, variant.alternative(arch)) if arch == "sm_90" else (108, None)
+        per_sm, rule = hopper.WIDE128_PER_SM if variant.tokens == 128 else 2, variant.grid_rule(arch)
+        plan = matmul_kernel.Plan(None, None, 0, per_sm, sms, (), rule, variant.warps, alternative)
+        built[id(plan)] = variant, plan
+        return plan
 
     cases = op_checks.matmul.perf_cases()
     assert len({c.id for c in cases}) == len(cases)
     largest = matmul_kernel.TOKEN_TILES[-1]
-    timed = {matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens) for c in cases if c.tokens <= largest}
-    builds = {v for v in matmul_kernel.all_variants() if (v.dtype, v.quant_type) == ("bf16", "nf4")}
+    timed = set()
+    for c in (c for c in cases if c.tokens <= largest):
+        variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens)
+        timed.add(built[id(matmul_kernel.pick_plan(variant, 0, c.tokens, *c.weight.shape, plan_of))][0])
+    builds = {v for v in matmul_kernel.all_variants(arch) if (v.dtype, v.quant_type) == ("bf16", "nf4")}
     assert timed == builds, sorted(v.name for v in builds - timed)
     assert any(c.tokens > largest for c in cases)
 

@@ -67,9 +67,9 @@ def test_committed_record_covers_every_variant_and_arch():
     dequantize = {f"{v.name}@{a}" for v in dequantize_kernel.all_variants() for a in CHECKED_ARCHS}
     matmul = {
         f"{v.name}:{entry}@{a}"
-        for v in matmul_kernel.all_variants()
-        for entry in (matmul_kernel.ENTRY, matmul_kernel.FINISH)
         for a in CHECKED_ARCHS
+        for v in matmul_kernel.all_variants(a)
+        for entry in (matmul_kernel.ENTRY, matmul_kernel.FINISH)
     }
     assert set(recorded) == dequantize | matmul
 

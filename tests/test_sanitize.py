@@ -116,7 +116,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     their splits inside a cluster (the 8-token one also in a cluster past the portable size and
     in one of an odd size) and the 32- and 128-token ones' (no cluster epilogue) through the finish, so the
     sanitizer sees both ways of adding them (the clusters at once and blocks an SM an H100 and an
-    H200 report)."""
+    H200 report); and the 128-token calls run both of that tile's Hopper builds."""
     plans = {
         8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
@@ -136,6 +136,17 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
         assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways, rule
         assert {(128, "finish"), (128, "unsplit")} <= ways, rule
         assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways, rule
+    # The 128-token tile's calls in both of its Hopper builds (matmul_kernel.pick_plan).
+    builds = {
+        w: matmul_kernel.Plan(None, None, 32 * w, hopper.WIDE128_PER_SM, hopper.SMS, (), matmul_kernel.WAVES, w)
+        for w in (matmul_kernel.WARPS[128], matmul_kernel.WIDE_WARPS[128])
+    }
+    picked = {
+        matmul_kernel.cheapest(tuple(builds.values()), M, N, K, 128).warps
+        for M, N, K in op_checks.matmul.SANITIZE_SHAPES
+        if matmul_kernel.token_tile(M) == 128
+    }
+    assert picked == set(builds)
 
 
 def test_the_sanitized_process_runs_every_ops_cases_and_fails_on_any_wrong_output(monkeypatch, capsys):

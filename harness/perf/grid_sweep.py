@@ -54,7 +54,7 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     """The rules' grid first, then every other grid ``plan``'s kernel runs for the call: K in 1 to
     ``MAX_SPLITS`` splits of whole steps (no empty one), each finished, and clustered where
     ``plan.runs`` allows it."""
-    groups, tiles = -(-N // matmul_kernel.features_per_block(tokens)), -(-M // tokens)
+    groups, tiles = -(-N // matmul_kernel.features_per_block(tokens, plan.warps)), -(-M // tokens)
     steps = matmul_kernel.steps_of(K, tokens)
     grids = [plan.grid(M, N, K, tokens)]
     for wanted in range(1, min(matmul_kernel.MAX_SPLITS, steps) + 1):
@@ -66,33 +66,46 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     return grids
 
 
-def grid_name(grid: matmul_kernel.Grid) -> str:
-    """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f)."""
+def grid_name(grid: matmul_kernel.Grid, warps: int = 0) -> str:
+    """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f); of the
+    alternative build (``MatmulVariant.alternative``) with ``warps`` a block, ``w12 4c x 8``."""
+    build = f"w{warps} " if warps else ""
     if grid.splits == 1:
-        return f"1 x {grid.steps_per_split}"
-    return f"{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
+        return f"{build}1 x {grid.steps_per_split}"
+    return f"{build}{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
 
 
 def plan_inputs(plan: matmul_kernel.Plan) -> dict:
-    """What ``grid_for`` reads of a plan besides the call: recorded with each case, so a rule can be
-    replayed against the recorded times on any machine (``--replay``)."""
-    return {"blocks_per_sm": plan.blocks_per_sm, "sms": plan.sms, "max_clusters": list(plan.max_clusters)}
+    """What ``grid_for`` and ``Plan.cost`` read of a plan besides the call: recorded with each case,
+    so a rule can be replayed against the recorded times on any machine (``--replay``)."""
+    inputs = {"blocks_per_sm": plan.blocks_per_sm, "sms": plan.sms, "max_clusters": list(plan.max_clusters)}
+    return inputs | {"warps": plan.warps}
 
 
-def rules_grid(case: dict) -> matmul_kernel.Grid:
-    """The grid the rules of this checkout pick for a recorded case (its kernel's rule too)."""
-    p = case["plan"]
+def _replayed(inputs: dict, rule: str) -> matmul_kernel.Plan:
+    """A recorded plan's stand-in: what the rules read of it (``plan_inputs``), no kernels."""
+    clusters = tuple(inputs["max_clusters"])
+    return matmul_kernel.Plan(
+        None, None, 0, inputs["blocks_per_sm"], inputs["sms"], clusters, rule, inputs.get("warps", 0)
+    )
+
+
+def rules_choice(case: dict) -> str:
+    """The grid (``grid_name``) the rules of this checkout pick for a recorded case: its kernel's
+    grid rule, and between its builds where it recorded the alternative's plan (``pick_plan``)."""
     rule = matmul_kernel.grid_rule_of(case["kernel"])
     M, N, K, tokens = case["M"], case["N"], case["K"], case["tokens"]
-    return matmul_kernel.grid_for(M, N, K, tokens, p["blocks_per_sm"], p["sms"], tuple(p["max_clusters"]), rule=rule)
+    plans = [_replayed(case["plan"], rule)] + [_replayed(p, rule) for p in case.get("alternative plans", [])]
+    chosen = matmul_kernel.cheapest(plans, M, N, K, tokens)
+    return grid_name(chosen.grid(M, N, K, tokens), 0 if chosen is plans[0] else chosen.warps)
 
 
 def case_row(case: dict, tolerance: float) -> dict:
-    """A case's verdict: the rules' grid (``rules_grid``) against the fastest of its timed grids
+    """A case's verdict: the rules' grid (``rules_choice``) against the fastest of its timed grids
     (``case["µs by grid"]``); not ok where that grid is slower than the tolerance allows, was not
     timed, or any grid's output was out of bound."""
     times = case["µs by grid"]
-    rule = grid_name(rules_grid(case))
+    rule = rules_choice(case)
     best = min(times, key=times.get)
     rule_us = times.get(rule, math.nan)
     ratio = rule_us / times[best]
@@ -147,17 +160,20 @@ def cost_lines(recorded_cases: list[dict]) -> list[dict]:
     return lines
 
 
-def time_grids(timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids) -> tuple[dict, bool]:
-    """({grid name: GPU µs}, every grid's output in bound) for one call."""
+def time_grids(
+    timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids, warps: int = 0
+) -> tuple[dict, bool]:
+    """({grid name: GPU µs}, every grid's output in bound) for one call on ``grids`` of the build with
+    ``warps`` a block (0: the token tile's own)."""
     times, in_bound = {}, True
     with torch.no_grad():
         for grid in grids:
 
             def run(grid=grid):
-                return matmul.fused_matmul_on_grid(x, B.t(), qs, grid)
+                return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps)
 
             in_bound &= mr.judge(run(), reference).ok
-            times[grid_name(grid)] = timer.measure(run).median_s * 1e6
+            times[grid_name(grid, warps)] = timer.measure(run).median_s * 1e6
     return times, in_bound
 
 
@@ -167,12 +183,21 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
         variant = matmul_kernel.variant_for("bf16", "nf4", True, M)
-        plan = matmul_kernel.plan(variant, device.index)
-        grids = candidate_grids(plan, M, N, K, variant.tokens)
-        times, in_bound = time_grids(timer, x, B, qs, mr.fused_reference(x, B, qs, W, None, torch.bfloat16), grids)
+        plans = [matmul_kernel.plan(variant, device.index)]
+        if plans[0].alternative:  # the rules pick between the two builds: both are timed
+            plans.append(matmul_kernel.plan(plans[0].alternative, device.index))
+        reference = mr.fused_reference(x, B, qs, W, None, torch.bfloat16)
+        times, in_bound = {}, True
+        for p in plans:
+            grids, warps = candidate_grids(p, M, N, K, variant.tokens), 0 if p is plans[0] else p.warps
+            timed, ok = time_grids(timer, x, B, qs, reference, grids, warps)
+            times, in_bound = times | timed, in_bound and ok
         kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
         case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens, "kernel": kernel}
-        out.append(case | {"plan": plan_inputs(plan), "µs by grid": times, "all in bound": in_bound})
+        case["plan"] = plan_inputs(plans[0])
+        if plans[1:]:
+            case["alternative plans"] = [plan_inputs(p) for p in plans[1:]]
+        out.append(case | {"µs by grid": times, "all in bound": in_bound})
         print(json.dumps(out[-1]), flush=True)
     return out
 

@@ -127,8 +127,8 @@ def tiling_for(numel: int) -> tuple[int, int]:
     return TILINGS[numel >= LARGE_MIN_ELEMENTS]
 
 
-def all_variants() -> list[KernelVariant]:
-    """Every entry point the drop-in API can launch."""
+def all_variants(arch: str | None = None) -> list[KernelVariant]:
+    """Every entry point the drop-in API can launch (the same for every ``arch``)."""
     return [
         KernelVariant(q, d, n, threads=t, unroll=u)
         for q, d, n in itertools.product(QUANT_TYPES, OUT_DTYPES, (False, True))

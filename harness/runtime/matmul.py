@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from harness.errors import InputError
-from harness.runtime import dequantize, host_launcher, host_path, matmul_kernel, operands, recipe, torch_op
+from harness.runtime import dequantize, host_launcher, host_path, launcher, matmul_kernel, operands, recipe, torch_op
 from harness.runtime.dtypes import ACTIVATION_NAME
 
 # Rows up to which the fused kernel runs, per GPU model and weight size: (weight elements N * K
@@ -151,7 +151,7 @@ def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_o
         return None
     call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    p = plan_of(_variant(A, call.quant_type, call.nested, M), A.device.index)
+    p = matmul_kernel.pick_plan(_variant(A, call.quant_type, call.nested, M), A.device.index, M, N, K, plan_of)
     return Decision(call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)))
 
 
@@ -215,23 +215,28 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
     )
 
 
-def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M)
+def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int, warps: int = 0) -> matmul_kernel.MatmulVariant:
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, warps)
 
 
-def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid) -> torch.Tensor:
-    """``fused_matmul`` through the Python path on ``grid`` instead of the one the rules pick
-    (``harness.perf.grid_sweep`` times every grid the kernel runs). Raises ValueError for a grid
-    the kernel cannot run on this call and GPU (``matmul_kernel.Plan.runs``)."""
+def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0) -> torch.Tensor:
+    """``fused_matmul`` through the Python path on ``grid`` of the build with ``warps`` a block (0:
+    the token tile's WARPS) instead of what the rules pick (``harness.perf.grid_sweep`` times every
+    grid of every build). Raises ValueError for a build or grid the kernel cannot run on this call
+    and GPU (``MatmulVariant.builds_on``, ``matmul_kernel.Plan.runs``)."""
     fields, nested = dequantize.quant_state_args(quant_state)
     decided = decide(A, B, fields, nested, None, _ANY_ROWS, matmul_kernel.plan)
     if decided is None:
         _fail("the fused kernel does not take this call (see matmul.takes)")
-    call, p = decided.weight, decided.plan
+    call = decided.weight
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    if not p.runs(grid, M, N, K, matmul_kernel.token_tile(M)):
+    variant = _variant(A, call.quant_type, call.nested, M, warps)
+    if not variant.builds_on(launcher.device_arch(A.device.index)):
+        raise ValueError(f"{variant.name} is not built for this GPU")
+    p = matmul_kernel.plan(variant, A.device.index)
+    if not p.runs(grid, M, N, K, variant.tokens):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
-    return _run(_planned(A, decided._replace(grid=grid), None, None), None)
+    return _run(_planned(A, decided._replace(plan=p, grid=grid), None, None), None)
 
 
 def _run(planned: tuple | None, out) -> torch.Tensor | None:

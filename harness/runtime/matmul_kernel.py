@@ -12,6 +12,7 @@ Importable without PyTorch (the compile check lists the variants).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def grid_rule_of(source: str) -> str:
 
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
-# steps, warps and grid as SOURCE_WIDE, so a plan's grid does not depend on the GPU's arch.
+# steps, warps and grid rules as SOURCE_WIDE; its 128-token tile also builds with WIDE_WARPS.
 SOURCE_SM90 = "matmul_4bit_sm90.cu"
 WGMMA_TARGETS = {"sm_90": "sm_90a"}  # GPU arch -> the compile target of SOURCE_SM90
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
@@ -72,7 +73,16 @@ TOKEN_TILES = (8, 16, 32, 64, 128)  # tokens one warp multiplies each decoded we
 # Warps per block (16 output features each) by token tile. The warps of a block share one staged
 # activation tile: at 64 tokens, 8 warps halve its share per weight (H100, 28672x8192: 242 -> 192 µs),
 # while the smaller tiles and weights lose more to the fewer, larger blocks (kernels/NOTES.md).
-WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 12}
+WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 8}
+# The wgmma kernel also builds its 128-token tile with 12 warps. Its step took 1.24x an 8-warp
+# block's for 1.5x the features (H100, the down weights of a 30-weight sweep at 128 rows; one block
+# an SM either way), so per weight it is faster, but its wider blocks divide a weight among the SMs
+# more coarsely (28672x8192: 150 groups on 132 SMs against 224, 21504x5376: 112 against 168). A call
+# takes the build whose grid costs less (``pick_plan``: the waves rule's cost times the step's
+# time): on that sweep the picked build was the faster in 29 of 30 weights, the 30th 2% off, 0.95x
+# the 8-warp build's time in geometric mean (kernels/NOTES.md, "12 warps at 128 tokens").
+WIDE_WARPS = {128: 12}  # token tile -> warps of the wgmma kernel's second build (on WGMMA_TARGETS)
+STEP_TIME = {(128, 12): 1.24}  # (token tile, warps) -> a block's step time against the tile's WARPS build
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
 # one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
@@ -116,21 +126,35 @@ class MatmulVariant:
     nested: bool
     tokens: int
     few_rows: bool = False  # the few-rows build (FEW_ROWS) of the one-tile pair-table kernel
+    warps: int = 0  # warps a block: the tile's WARPS (0), or WIDE_WARPS' where the tile has them
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.quant_type not in QUANT_TYPES or self.tokens not in TOKEN_TILES:
             raise ValueError(f"no such matmul variant: {self}")
         if self.few_rows and not (self.nested and self.tokens == DECODE_TILES[0]):
             raise ValueError(f"the few-rows build is the nested {DECODE_TILES[0]}-token kernel's only: {self}")
+        if not self.warps:
+            object.__setattr__(self, "warps", WARPS[self.tokens])  # frozen: set once, here
+        if self.warps not in (WARPS[self.tokens], WIDE_WARPS.get(self.tokens)):
+            raise ValueError(f"no {self.warps}-warp build of the {self.tokens}-token tile: {self}")
 
     @property
     def name(self) -> str:
         scales, few = "nested" if self.nested else "plain", "-few" if self.few_rows else ""
         return f"mm4-{self.quant_type}-{self.dtype}-{scales}-m{self.tokens}-w{self.warps}{few}"
 
-    @property
-    def warps(self) -> int:
-        return WARPS[self.tokens]
+    def builds_on(self, arch: str) -> bool:
+        """Whether this variant is built for a GPU of ``arch``: the WIDE_WARPS builds only where the
+        wgmma kernel runs them (on sm_80 its 12 warps would spill)."""
+        return self.warps == WARPS[self.tokens] or arch in WGMMA_TARGETS
+
+    def alternative(self, arch: str) -> MatmulVariant | None:
+        """The other build of this call on a GPU of ``arch`` its plan may give way to (``pick_plan``):
+        the WIDE_WARPS build of the tile's WARPS one where it is built; else None."""
+        other = WIDE_WARPS.get(self.tokens)
+        if other is None or self.warps == other or arch not in WGMMA_TARGETS:
+            return None
+        return dataclasses.replace(self, warps=other)
 
     def build(self, arch: str) -> tuple[str, str]:
         """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
@@ -180,16 +204,22 @@ class MatmulVariant:
         ) + ((("MM_FEW_ROWS", str(FEW_ROWS)),) if self.few_rows else ())  # the other builds' specs unchanged
 
 
-def all_variants() -> list[MatmulVariant]:
+def all_variants(arch: str | None = None) -> list[MatmulVariant]:
+    """Every build a call can launch; with ``arch``, those built for a GPU of it (``builds_on``)."""
     every = [MatmulVariant(*v) for v in itertools.product(DTYPES, QUANT_TYPES, (False, True), TOKEN_TILES)]
     few = [MatmulVariant(d, q, True, DECODE_TILES[0], True) for d, q in itertools.product(DTYPES, QUANT_TYPES)]
-    return every + few
+    wide = [
+        MatmulVariant(d, q, nested, tokens, warps=warps)
+        for (tokens, warps), d, q, nested in itertools.product(WIDE_WARPS.items(), DTYPES, QUANT_TYPES, (False, True))
+    ]
+    return [v for v in every + few + wide if arch is None or v.builds_on(arch)]
 
 
-def variant_for(dtype: str, quant_type: str, nested: bool, m: int) -> MatmulVariant:
+def variant_for(dtype: str, quant_type: str, nested: bool, m: int, warps: int = 0) -> MatmulVariant:
     """The variant that multiplies ``m`` rows: the smallest token tile holding them, and for at most
-    ``FEW_ROWS`` rows of a weight with nested scales the few-rows build."""
-    return MatmulVariant(dtype, quant_type, nested, token_tile(m), nested and m <= FEW_ROWS)
+    ``FEW_ROWS`` rows of a weight with nested scales the few-rows build; ``warps`` a block (0: the
+    tile's WARPS; a call may take its alternative: ``pick_plan``)."""
+    return MatmulVariant(dtype, quant_type, nested, token_tile(m), nested and m <= FEW_ROWS, warps)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
@@ -208,13 +238,14 @@ def steps_of(K: int, tokens: int) -> int:
     return -(-K // step_k(tokens))
 
 
-def threads(tokens: int) -> int:
-    """Threads a block of the kernel for this token tile runs."""
-    return WARPS[tokens] * 32
+def threads(tokens: int, warps: int = 0) -> int:
+    """Threads a block of the kernel for this token tile runs (``warps``: 0, the tile's WARPS)."""
+    return (warps or WARPS[tokens]) * 32
 
 
-def features_per_block(tokens: int) -> int:
-    return WARPS[tokens] * 16
+def features_per_block(tokens: int, warps: int = 0) -> int:
+    """Output features a block of the kernel for this token tile computes (16 a warp)."""
+    return (warps or WARPS[tokens]) * 16
 
 
 def token_tile(m: int) -> int:
@@ -344,7 +375,16 @@ def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
 # Every fused call asks for its grid: a pure function of a few ints, searched once per shape.
 @functools.lru_cache(maxsize=4096)
 def grid_for(
-    M: int, N: int, K: int, tokens: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...] = (), *, rule: str
+    M: int,
+    N: int,
+    K: int,
+    tokens: int,
+    blocks_per_sm: int,
+    sms: int,
+    max_clusters: tuple[int, ...] = (),
+    *,
+    rule: str,
+    warps: int = 0,
 ) -> Grid:
     """How K is split, as far as the partial sums stay within ``PARTIAL_SHARE`` of the weights'
     bytes, a split runs at least ``min_split_steps`` (the last may run fewer) and there are at
@@ -374,8 +414,9 @@ def grid_for(
     times larger: they take as many splits as fit beside each other in one wave (a grid just over
     one wave would run its few extra blocks as a second wave).
     Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
-    busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``."""
-    groups, tiles, steps = -(-N // features_per_block(tokens)), -(-M // tokens), steps_of(K, tokens)
+    busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``.
+    ``warps``: the build's warps a block (0: the tile's WARPS)."""
+    groups, tiles, steps = -(-N // features_per_block(tokens, warps)), -(-M // tokens), steps_of(K, tokens)
     partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if tokens in WAVES_WIDE_TILES else 0)
     cap = max(1, min(steps // min_split_steps(tokens), MAX_SPLITS, int(partial_bytes // (4 * M * N))))
     units = groups * tiles
@@ -438,9 +479,16 @@ def waves_grid(
     per_split = -(-steps // splits)
     n, units = -(-steps // per_split), groups * tiles
     clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters, waves_rule=True)
-    waves = -(-units * n // (blocks_per_sm * sms))
-    cost = waves * (per_split + WAVE_STEPS) + (FINISH_STEPS if n > 1 and not clustered else 0)
-    return (cost, n), Grid((groups, n, tiles), per_split, clustered)
+    grid = Grid((groups, n, tiles), per_split, clustered)
+    return (waves_cost(grid, blocks_per_sm, sms), n), grid
+
+
+def waves_cost(grid: Grid, blocks_per_sm: int, sms: int) -> int:
+    """The waves rule's cost of a grid, in steps: its waves (blocks over what the GPU holds at once)
+    times a split's steps plus WAVE_STEPS, plus FINISH_STEPS where the finish adds the splits."""
+    groups, splits, tiles = grid.blocks
+    waves = -(-groups * splits * tiles // (blocks_per_sm * sms))
+    return waves * (grid.steps_per_split + WAVE_STEPS) + (FINISH_STEPS if grid.finished else 0)
 
 
 def clusters_fit(
@@ -478,9 +526,18 @@ class Plan:
     sms: int
     max_clusters: tuple[int, ...]  # [s]: clusters of s splits the GPU holds at once (empty: no clusters)
     rule: str  # the variant's grid rule (GRID_RULES)
+    warps: int = 0  # a block's (0: the token tile's WARPS)
+    alternative: MatmulVariant | None = None  # the other build of its calls on this GPU (pick_plan)
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
-        return grid_for(M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters, rule=self.rule)
+        return grid_for(
+            M, N, K, tokens, self.blocks_per_sm, self.sms, self.max_clusters, rule=self.rule, warps=self.warps
+        )
+
+    def cost(self, M: int, N: int, K: int, tokens: int) -> float:
+        """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``)."""
+        grid = self.grid(M, N, K, tokens)
+        return waves_cost(grid, self.blocks_per_sm, self.sms) * STEP_TIME.get((tokens, self.warps), 1.0)
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
         """Whether the main kernel computes a call on ``grid``, picked by the rules or not: a block
@@ -489,7 +546,7 @@ class Plan:
         groups, splits, tiles = grid.blocks
         per_split, steps = grid.steps_per_split, steps_of(K, tokens)
         return (
-            groups == -(-N // features_per_block(tokens))
+            groups == -(-N // features_per_block(tokens, self.warps))
             and tiles == -(-M // tokens)
             and per_split > 0
             and (splits - 1) * per_split < steps <= splits * per_split
@@ -508,7 +565,7 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
         shared = variant.dynamic_shared_bytes(arch)
         main = launcher.load_spec(variant.name, spec, ENTRY, device_index, MAIN_PARAMS, shared)
         finish = launcher.load_spec(f"{variant.name}-finish", spec, FINISH, device_index, FINISH_PARAMS)
-        block = threads(variant.tokens)
+        block = threads(variant.tokens, variant.warps)
         sizes = variant.cluster_splits(arch)
         with launcher.device_context(device_index):  # the driver's answers need the GPU's context
             per_sm = main.kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared)
@@ -516,9 +573,25 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
                 launcher.allow_nonportable_clusters(main)
             clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
         hit = _plans[key] = Plan(
-            main, finish, block, max(1, per_sm), _sm_count(device_index), clusters, variant.grid_rule(arch)
-        )
+            main, finish, block, max(1, per_sm), _sm_count(device_index), clusters, variant.grid_rule(arch),
+            variant.warps, variant.alternative(arch),
+        )  # fmt: skip
     return hit
+
+
+def pick_plan(variant: MatmulVariant, device_index: int, M: int, N: int, K: int, plan_of=plan) -> Plan:
+    """The plan of a call of ``variant``'s on its GPU: ``variant``'s, or its alternative build's
+    (``MatmulVariant.alternative``) where that costs less (``Plan.cost``; the first on a tie).
+    ``plan_of(variant, device_index)`` gives a build's plan."""
+    first = plan_of(variant, device_index)
+    if first.alternative is None:
+        return first
+    return cheapest((first, plan_of(first.alternative, device_index)), M, N, K, variant.tokens)
+
+
+def cheapest(plans, M: int, N: int, K: int, tokens: int) -> Plan:
+    """The plan of ``plans`` whose grid costs least for the call (``Plan.cost``), the first on a tie."""
+    return min(plans, key=lambda p: p.cost(M, N, K, tokens))
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from harness.runtime import dequantize_kernel, jit, matmul_kernel
 @dataclass(frozen=True)
 class Op:
     name: str
-    variants: Callable[[], list]  # every variant a call can launch: what the compile check compiles
+    variants: Callable[[str | None], list]  # (arch) -> every variant a call can launch on a GPU of it: compiled
     spec_for: Callable[[object, str], jit.CompileSpec]  # (variant, GPU arch) -> its compile spec
     entries: tuple[str, ...]  # the kernels' entry points (a sanitizer report names them)
     call_module: str  # the op's call module (imported by name: this module loads without PyTorch)
@@ -48,7 +48,7 @@ OPS = (
 
 def compile_specs(arch: str) -> list[tuple[str, jit.CompileSpec]]:
     """(variant name, compile spec) of every variant of every op for a GPU of ``arch``."""
-    return [(v.name, op.spec_for(v, arch)) for op in OPS for v in op.variants()]
+    return [(v.name, op.spec_for(v, arch)) for op in OPS for v in op.variants(arch)]
 
 
 def entries() -> tuple[str, ...]:

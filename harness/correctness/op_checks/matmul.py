@@ -91,16 +91,21 @@ class MatmulCase(PerfCase):
 # kernels: the register tables up to 16 rows, their own wide builds above.
 PERF_TOKENS = (1, 8, 16, 32, 64, 128, 256)
 PLAIN_PERF_TOKENS = (1, 8, 16, 32, 64, 128)
+# On Hopper the 128-token tile has two builds (matmul_kernel.pick_plan): the gate weight takes the
+# 12-warp one, the k weight the 8-warp one; with plain scales the k weight times the latter there.
+PLAIN_K_PERF_TOKENS = (128,)
 
 
 def perf_cases() -> list[MatmulCase]:
     """``harness.matmul_4bit`` as a user calls it (the fused kernel up to the GPU's crossover,
     dequantize + F.linear above) on Llama-3.3-70B's gate, o and k weights with nested scales at
-    ``PERF_TOKENS`` rows, and its gate weight with plain scales at ``PLAIN_PERF_TOKENS``."""
+    ``PERF_TOKENS`` rows, its gate weight with plain scales at ``PLAIN_PERF_TOKENS`` and its k weight
+    with plain scales at ``PLAIN_K_PERF_TOKENS``."""
     by_id = {w.id: w for w in shapes.model_shapes(unique=False)}
     weights = [by_id[f"llama-3.3-70b.{layer}"] for layer in ("gate_proj", "o_proj", "k_proj")]
     nested = [MatmulCase(w, "bf16", "nested", tokens=m) for w in weights for m in PERF_TOKENS]
-    return nested + [MatmulCase(weights[0], "bf16", "plain", tokens=m) for m in PLAIN_PERF_TOKENS]
+    plain = [MatmulCase(weights[0], "bf16", "plain", tokens=m) for m in PLAIN_PERF_TOKENS]
+    return nested + plain + [MatmulCase(weights[2], "bf16", "plain", tokens=m) for m in PLAIN_K_PERF_TOKENS]
 
 
 # Sanitizer cases (M, N, K), both kernels split and unsplit: the 8-token kernel with K in two
@@ -109,11 +114,12 @@ def perf_cases() -> list[MatmulCase]:
 # and in 7 splits of 3 steps (on Hopper a cluster of an odd size); the 16-token one unsplit over 4
 # steps; the wide kernel at 32 tokens split in two (no cluster epilogue: the finish adds them on any
 # GPU), at 64 split in two and unsplit; at 128 (its activation stages in dynamic shared memory)
-# split in two and unsplit over two token tiles. The split rules decide these splits on any GPU that
-# holds three blocks (tests/test_sanitize.py).
+# split in two and unsplit over two token tiles, and on Hopper in its 12-warp build (a weight of 112
+# such blocks against 168 of 8 warps: ``pick_plan``). The split rules decide these splits on any GPU
+# that holds three blocks (tests/test_sanitize.py).
 SANITIZE_SHAPES = (
     (3, 40, 1856), (3, 40, 224), (5, 40, 16384), (5, 40, 5376), (9, 40, 1024), (20, 40, 1024), (40, 40, 1024),
-    (60, 40, 256), (100, 40, 1024), (130, 40, 256),
+    (60, 40, 256), (100, 40, 1024), (130, 40, 256), (100, 21504, 256),
 )  # fmt: skip
 
 
