@@ -83,6 +83,11 @@ WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 8}
 # the 8-warp build's time in geometric mean (kernels/NOTES.md, "12 warps at 128 tokens").
 WIDE_WARPS = {128: 12}  # token tile -> warps of the wgmma kernel's second build (on WGMMA_TARGETS)
 STEP_TIME = {(128, 12): 1.24}  # (token tile, warps) -> a block's step time against the tile's WARPS build
+# Between builds the finish's read of the partial sums counts too (the waves rule's flat FINISH_STEPS
+# does not grow with them): a MB at the copy rate (3 TB/s, H100) is 0.33 µs, a fifth of an 8-warp
+# step at 128 tokens (1.74 µs). Without it the gate weight 28672x8192 took the 12-warp build in 4
+# splits (59 MB of sums): 220 µs against 217 for the 8-warp build unsplit.
+FINISH_STEPS_PER_MB = 0.2
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
 # one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
@@ -535,9 +540,11 @@ class Plan:
         )
 
     def cost(self, M: int, N: int, K: int, tokens: int) -> float:
-        """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``)."""
+        """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``), plus
+        the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
-        return waves_cost(grid, self.blocks_per_sm, self.sms) * STEP_TIME.get((tokens, self.warps), 1.0)
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms) * STEP_TIME.get((tokens, self.warps), 1.0)
+        return steps + FINISH_STEPS_PER_MB * grid.workspace_elements(M, N) * 4 / 1e6
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
         """Whether the main kernel computes a call on ``grid``, picked by the rules or not: a block

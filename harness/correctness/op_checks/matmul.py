@@ -91,21 +91,21 @@ class MatmulCase(PerfCase):
 # kernels: the register tables up to 16 rows, their own wide builds above.
 PERF_TOKENS = (1, 8, 16, 32, 64, 128, 256)
 PLAIN_PERF_TOKENS = (1, 8, 16, 32, 64, 128)
-# On Hopper the 128-token tile has two builds (matmul_kernel.pick_plan): the gate weight takes the
-# 12-warp one, the k weight the 8-warp one; with plain scales the k weight times the latter there.
-PLAIN_K_PERF_TOKENS = (128,)
+# On Hopper the 128-token tile has two builds (matmul_kernel.pick_plan): the o weight takes the
+# 12-warp one, the gate and k weights the 8-warp one; with plain scales the o weight times the former.
+PLAIN_O_PERF_TOKENS = (128,)
 
 
 def perf_cases() -> list[MatmulCase]:
     """``harness.matmul_4bit`` as a user calls it (the fused kernel up to the GPU's crossover,
     dequantize + F.linear above) on Llama-3.3-70B's gate, o and k weights with nested scales at
-    ``PERF_TOKENS`` rows, its gate weight with plain scales at ``PLAIN_PERF_TOKENS`` and its k weight
-    with plain scales at ``PLAIN_K_PERF_TOKENS``."""
+    ``PERF_TOKENS`` rows, its gate weight with plain scales at ``PLAIN_PERF_TOKENS`` and its o weight
+    with plain scales at ``PLAIN_O_PERF_TOKENS``."""
     by_id = {w.id: w for w in shapes.model_shapes(unique=False)}
     weights = [by_id[f"llama-3.3-70b.{layer}"] for layer in ("gate_proj", "o_proj", "k_proj")]
     nested = [MatmulCase(w, "bf16", "nested", tokens=m) for w in weights for m in PERF_TOKENS]
     plain = [MatmulCase(weights[0], "bf16", "plain", tokens=m) for m in PLAIN_PERF_TOKENS]
-    return nested + plain + [MatmulCase(weights[2], "bf16", "plain", tokens=m) for m in PLAIN_K_PERF_TOKENS]
+    return nested + plain + [MatmulCase(weights[1], "bf16", "plain", tokens=m) for m in PLAIN_O_PERF_TOKENS]
 
 
 # Sanitizer cases (M, N, K), both kernels split and unsplit: the 8-token kernel with K in two
