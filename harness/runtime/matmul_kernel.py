@@ -79,8 +79,9 @@ WARPS = {8: 4, 16: 4, 32: 4, 64: 8, 128: 8}
 # an SM either way), so per weight it is faster, but its wider blocks divide a weight among the SMs
 # more coarsely (28672x8192: 150 groups on 132 SMs against 224, 21504x5376: 112 against 168). A call
 # takes the build whose grid costs less (``pick_plan``: the waves rule's cost times the step's
-# time): on that sweep the picked build was the faster in 29 of 30 weights, the 30th 2% off, 0.95x
-# the 8-warp build's time in geometric mean (kernels/NOTES.md, "12 warps at 128 tokens").
+# time, plus FINISH_STEPS_PER_MB): replayed on an H100 sweep of both builds' grids (30 weights), the
+# rules' pick 1.010x the fastest of either in geometric mean; side by side on one H100, 0.94x the
+# 8-warp build's time (kernels/NOTES.md, "Twelve warps at 128 tokens").
 WIDE_WARPS = {128: 12}  # token tile -> warps of the wgmma kernel's second build (on WGMMA_TARGETS)
 STEP_TIME = {(128, 12): 1.24}  # (token tile, warps) -> a block's step time against the tile's WARPS build
 # Between builds the finish's read of the partial sums counts too (the waves rule's flat FINISH_STEPS
