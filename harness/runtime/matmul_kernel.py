@@ -353,6 +353,13 @@ CLUSTER_PAST_CAP_BLOCKS_PER_SM = 2
 # grid of four small weights in the same sweep (gemma-3-27b k_proj at one row 12.5 -> 10.7 µs).
 MIN_SPLIT_STEPS = 4
 MIN_SPLIT_STEPS_M8 = 3
+# A step of the 128-token tile multiplies each weight with 4x the 32-token tile's tokens, so a
+# split's first loads weigh less there: its splits run down to 2 steps. Replayed on the recorded
+# sweeps' 128-row cases, the rules went from 1.010x the fastest grid to 1.003x (H100, both builds;
+# worst 1.14 -> 1.07) and to 1.005x (H200, 8 warps; worst 1.14 -> 1.09): only three small weights'
+# picks changed (k 512-1024 features: 1-13% faster on the H100, +2.4% to -12% on the H200;
+# kernels/NOTES.md, "Splits of 2 steps at 128 tokens").
+MIN_SPLIT_STEPS_WIDE = {128: 2}
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
 # Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
@@ -370,7 +377,7 @@ CLUSTER_EPILOGUE_STEPS = 2.5
 
 def min_split_steps(tokens: int) -> int:
     """The fewest steps a split of K runs (the last may run fewer) with this token tile."""
-    return MIN_SPLIT_STEPS_M8 if tokens in DECODE_TILES else MIN_SPLIT_STEPS
+    return MIN_SPLIT_STEPS_M8 if tokens in DECODE_TILES else MIN_SPLIT_STEPS_WIDE.get(tokens, MIN_SPLIT_STEPS)
 
 
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
