@@ -13,5 +13,14 @@ M8_PER_SM, M8_CLUSTERS = 4, (0, 528, 264, 163, 124, 94, 79, 69, 62, 51, 44, 37, 
 PAIRS16_PER_SM, PAIRS16_CLUSTERS = 3, (0, 396, 198, 124, 92, 69, 62, 47, 45, 37, 30, 28, 28, 23, 21, 21, 21)
 # The Hopper kernel at 64 tokens: 2 blocks an SM, pairs only (matmul_kernel.CLUSTER_SPLITS).
 WIDE64_PER_SM, WIDE64_CLUSTERS = 2, (0, 264, 132)
-# The Hopper kernel at 128 tokens: one block an SM (190 registers), no cluster epilogue.
+# The Hopper kernel at 128 tokens: one block an SM (8 warps of 180 registers, or 12 of 168), no cluster epilogue.
 WIDE128_PER_SM = 1
+
+
+def wide128_plans() -> dict:
+    """The 128-token tile's plans of both Hopper builds (8 and 12 warps) by warps, as the grid rules
+    and ``pick_plan`` read them (no kernels)."""
+    from harness.runtime import matmul_kernel as mk
+
+    builds = (mk.WARPS[128], mk.WIDE_WARPS[128])
+    return {w: mk.Plan(None, None, 32 * w, WIDE128_PER_SM, SMS, (), mk.WAVES, w) for w in builds}

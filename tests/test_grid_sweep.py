@@ -66,10 +66,7 @@ def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
         ],
         16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
         64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES)],
-        128: [
-            mk.Plan(None, None, 32 * warps, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, warps)
-            for warps in (mk.WARPS[128], mk.WIDE_WARPS[128])
-        ],
+        128: list(hopper.wide128_plans().values()),
     }
     shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}
     for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 33, 64, 65, 128, 300)):
@@ -152,11 +149,11 @@ def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
     from tests import hopper_plans as hopper
 
     M, N, K = 128, 21504, 5376
-    first = mk.Plan(None, None, 256, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, mk.WARPS[128])
-    wide = mk.Plan(None, None, 384, hopper.WIDE128_PER_SM, hopper.SMS, (), mk.WAVES, mk.WIDE_WARPS[128])
+    first, wide = hopper.wide128_plans().values()
     assert mk.cheapest((first, wide), M, N, K, 128) is wide  # 112 groups against 168 on 132 SMs
-    name = grid_sweep.grid_name(wide.grid(M, N, K, 128), wide.warps)
-    default = grid_sweep.grid_name(first.grid(M, N, K, 128))
+    name = grid_sweep.grid_name(wide.grid(M, N, K, 128), wide.warps, 128)
+    default = grid_sweep.grid_name(first.grid(M, N, K, 128), first.warps, 128)
+    assert default == grid_sweep.grid_name(first.grid(M, N, K, 128))  # the tile's own warps: no prefix
     assert name.startswith("w12 ") and not default.startswith("w")
     case = {"layer": f"gate {N}x{K}", "M": M, "N": N, "K": K, "tokens": 128, "kernel": mk.SOURCE_SM90}
     case |= {"plan": grid_sweep.plan_inputs(first), "all in bound": True}

@@ -380,9 +380,8 @@ PICKS_128 = {
 def test_a_128_row_call_takes_the_build_whose_grid_costs_less():
     """``pick_plan`` compares the waves cost of each build's grid times its step time: the wider
     blocks win where their grid divides among the SMs no worse (and tie goes to the first)."""
-    plans = {
-        w: matmul_kernel.Plan(None, None, 32 * w, hopper.WIDE128_PER_SM, hopper.SMS, (), WAVES, w) for w in (8, 12)
-    }
+    plans = hopper.wide128_plans()
+    assert set(plans) == {8, 12}
     for (N, K), warps in PICKS_128.items():
         assert matmul_kernel.cheapest((plans[8], plans[12]), 128, N, K, 128).warps == warps, (N, K)
         cost = {w: p.cost(128, N, K, 128) for w, p in plans.items()}

@@ -157,17 +157,15 @@ def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
     build of the bf16 nf4 drop-in (token tile, scales, the few-rows build, the 128-token tile's two
     Hopper builds) is timed by some matmul case, and a case past the largest tile times
     dequantize + F.linear: a kernel the gate never times could get slower unseen."""
+    import dataclasses
+
     from harness.runtime import matmul_kernel
     from tests import hopper_plans as hopper
 
-    built = {}  # id of a stand-in plan -> (its build, the plan)
-
     def plan_of(variant, _device):  # what the rules read of a plan on that GPU (132 SMs; A100 108)
-        sms, alternative = (hopper.SMS, variant.alternative(arch)) if arch == "sm_90" else (108, None)
+        sms = hopper.SMS if arch == "sm_90" else 108
         per_sm, rule = hopper.WIDE128_PER_SM if variant.tokens == 128 else 2, variant.grid_rule(arch)
-        plan = matmul_kernel.Plan(None, None, 0, per_sm, sms, (), rule, variant.warps, alternative)
-        built[id(plan)] = variant, plan
-        return plan
+        return matmul_kernel.Plan(None, None, 0, per_sm, sms, (), rule, variant.warps, variant.alternative(arch))
 
     cases = op_checks.matmul.perf_cases()
     assert len({c.id for c in cases}) == len(cases)
@@ -175,7 +173,8 @@ def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
     timed = set()
     for c in (c for c in cases if c.tokens <= largest):
         variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens)
-        timed.add(built[id(matmul_kernel.pick_plan(variant, 0, c.tokens, *c.weight.shape, plan_of))][0])
+        picked = matmul_kernel.pick_plan(variant, 0, c.tokens, *c.weight.shape, plan_of)
+        timed.add(dataclasses.replace(variant, warps=picked.warps))  # the build whose plan the call took
     builds = {v for v in matmul_kernel.all_variants(arch) if (v.dtype, v.quant_type) == ("bf16", "nf4")}
     assert timed == builds, sorted(v.name for v in builds - timed)
     assert any(c.tokens > largest for c in cases)

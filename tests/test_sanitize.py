@@ -137,10 +137,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
         assert {(128, "finish"), (128, "unsplit")} <= ways, rule
         assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways, rule
     # The 128-token tile's calls in both of its Hopper builds (matmul_kernel.pick_plan).
-    builds = {
-        w: matmul_kernel.Plan(None, None, 32 * w, hopper.WIDE128_PER_SM, hopper.SMS, (), matmul_kernel.WAVES, w)
-        for w in (matmul_kernel.WARPS[128], matmul_kernel.WIDE_WARPS[128])
-    }
+    builds = hopper.wide128_plans()
     picked = {
         matmul_kernel.cheapest(tuple(builds.values()), M, N, K, 128).warps
         for M, N, K in op_checks.matmul.SANITIZE_SHAPES

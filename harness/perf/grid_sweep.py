@@ -66,10 +66,10 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     return grids
 
 
-def grid_name(grid: matmul_kernel.Grid, warps: int = 0) -> str:
-    """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f); of the
-    alternative build (``MatmulVariant.alternative``) with ``warps`` a block, ``w12 4c x 8``."""
-    build = f"w{warps} " if warps else ""
+def grid_name(grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> str:
+    """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f); of a build
+    with other than the token tile's WARPS (``MatmulVariant.alternative``), ``w12 4c x 8``."""
+    build = f"w{warps} " if warps and warps != matmul_kernel.WARPS.get(tokens) else ""
     if grid.splits == 1:
         return f"{build}1 x {grid.steps_per_split}"
     return f"{build}{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
@@ -97,7 +97,7 @@ def rules_choice(case: dict) -> str:
     M, N, K, tokens = case["M"], case["N"], case["K"], case["tokens"]
     plans = [_replayed(case["plan"], rule)] + [_replayed(p, rule) for p in case.get("alternative plans", [])]
     chosen = matmul_kernel.cheapest(plans, M, N, K, tokens)
-    return grid_name(chosen.grid(M, N, K, tokens), 0 if chosen is plans[0] else chosen.warps)
+    return grid_name(chosen.grid(M, N, K, tokens), chosen.warps, tokens)
 
 
 def case_row(case: dict, tolerance: float) -> dict:
@@ -164,7 +164,7 @@ def time_grids(
     timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids, warps: int = 0
 ) -> tuple[dict, bool]:
     """({grid name: GPU µs}, every grid's output in bound) for one call on ``grids`` of the build with
-    ``warps`` a block (0: the token tile's own)."""
+    ``warps`` a block (0: the token tile's WARPS)."""
     times, in_bound = {}, True
     with torch.no_grad():
         for grid in grids:
@@ -173,7 +173,7 @@ def time_grids(
                 return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps)
 
             in_bound &= mr.judge(run(), reference).ok
-            times[grid_name(grid, warps)] = timer.measure(run).median_s * 1e6
+            times[grid_name(grid, warps, matmul_kernel.token_tile(x.shape[0]))] = timer.measure(run).median_s * 1e6
     return times, in_bound
 
 
@@ -189,8 +189,7 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
         reference = mr.fused_reference(x, B, qs, W, None, torch.bfloat16)
         times, in_bound = {}, True
         for p in plans:
-            grids, warps = candidate_grids(p, M, N, K, variant.tokens), 0 if p is plans[0] else p.warps
-            timed, ok = time_grids(timer, x, B, qs, reference, grids, warps)
+            timed, ok = time_grids(timer, x, B, qs, reference, candidate_grids(p, M, N, K, variant.tokens), p.warps)
             times, in_bound = times | timed, in_bound and ok
         kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
         case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens, "kernel": kernel}

@@ -158,9 +158,10 @@ class MatmulVariant:
         """The other build of this call on a GPU of ``arch`` its plan may give way to (``pick_plan``):
         the WIDE_WARPS build of the tile's WARPS one where it is built; else None."""
         other = WIDE_WARPS.get(self.tokens)
-        if other is None or self.warps == other or arch not in WGMMA_TARGETS:
+        if other is None or self.warps == other:
             return None
-        return dataclasses.replace(self, warps=other)
+        built = dataclasses.replace(self, warps=other)
+        return built if built.builds_on(arch) else None
 
     def build(self, arch: str) -> tuple[str, str]:
         """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
