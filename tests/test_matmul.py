@@ -149,26 +149,24 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
 
 
 @pytest.mark.parametrize(
-    ("N", "K", "M", "splits", "clustered"),
+    ("N", "K", "splits", "clustered"),
     [
-        (28672, 8192, 128, 2, True),  # 1 split, 4 blocks on the busiest SM: 262 -> 248 µs in a pair
-        (28672, 8192, 65, 2, True),  # the same grid: 251 -> 235
-        (25600, 5120, 128, 2, True),  # 1 split of 40 steps: 162 -> 159
-        (28672, 8192, 256, 1, False),  # as many steps on the busiest SM either way: 447 against 476
-        (25600, 5120, 256, 1, False),  # 7% fewer, less than the epilogue: 280 against 289
-        (14336, 4096, 128, 1, False),  # as many: 70 against 81
-        (8192, 8192, 128, 2, True),  # the finish's 2 splits, added in the cluster: 77.4 -> 76.1
-        (8192, 8192, 64, 4, False),  # 4 finished splits, 2 blocks an SM; a pair leaves one: 46.0 against 49.6
-        (8192, 28672, 64, 4, False),  # the same: 124 against 143
-        (1024, 8192, 128, 8, False),  # 8 finished splits: clusters of 8 were not measured at 64 tokens
+        (14336, 4096, 2, True),  # llama-3.1-8b gate: the pair 41.8 µs, the fastest grid
+        (14336, 5120, 2, True),  # mistral-nemo-12b gate: the pair 48.5, the fastest
+        (21504, 5376, 3, False),  # gemma-3-27b gate: 3 finished splits 69.4 against the pair's 78.3
+        (18944, 3584, 3, False),  # qwen2.5-7b gate: 50.5 against 57.1
+        (28672, 8192, 1, False),  # llama-3.3-70b gate unsplit: 128.6 against 140.8
+        (8192, 8192, 4, False),  # its q: 42.1 against 47.3
+        (8192, 28672, 4, False),  # its down: 117.7 against 142.1
     ],
 )
-def test_a_wide_grid_takes_a_clustered_pair_where_it_measured_faster(N, K, M, splits, clustered):
-    """At 64 tokens a tile on Hopper (measured on an H100, kernels/NOTES.md); the 16- and 32-token
-    kernels have no cluster epilogue, and without clusters the grid is the one before."""
-    g = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, rule=WIDE)
+def test_the_64_token_tile_takes_a_clustered_pair_where_it_measured_faster(N, K, splits, clustered):
+    """At 64 rows on Hopper, the waves rule's grids (the H100 grid sweep's 64-row cases in
+    baselines/); without clusters the grid is the finished one of as many splits or, where the pair
+    was picked, another finished one."""
+    g = matmul_kernel.grid_for(64, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, rule=WIDE)
     assert (g.splits, g.clustered) == (splits, clustered)
-    unclustered = matmul_kernel.grid_for(M, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, rule=WIDE)
+    unclustered = matmul_kernel.grid_for(64, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, rule=WIDE)
     assert not unclustered.clustered and (unclustered.splits == splits or clustered)
 
 

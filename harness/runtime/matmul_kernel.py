@@ -307,8 +307,12 @@ PARTIAL_SHARE = 1.0
 # of splits by the cap above (1024x8192: 8 splits on 64 SMs, 22.8 µs; 16 splits 18.2). It follows
 # the waves rule, with partial sums of up to PARTIAL_FLOOR_BYTES whatever the weight (they stay in
 # L2): over 60 weights at 96 and 128 rows of an H200 sweep, 1.011x the fastest grid (geometric mean;
-# the one-wave rule 1.074x, the waves rule without the floor 1.057x; kernels/NOTES.md).
-WAVES_WIDE_TILES = (128,)
+# the one-wave rule 1.074x, the waves rule without the floor 1.057x; kernels/NOTES.md). The 64-token
+# tile (2 blocks an SM) follows it too: under the one-wave rule a gate weight of a few more feature
+# groups than a wave holds took 2 clustered splits where 3 of the waves rule ran 9-11% faster
+# (gemma-3-27b 21504x5376 at 64 rows 78.3 -> 69.4 µs, H100; kernels/NOTES.md, "The 64-token tile
+# on the waves rule").
+WAVES_WIDE_TILES = (64, 128)
 PARTIAL_FLOOR_BYTES = 8 << 20
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
@@ -359,8 +363,9 @@ MIN_SPLIT_STEPS_M8 = 3
 # sweeps' 128-row cases, the rules went from 1.010x the fastest grid to 1.003x (H100, both builds;
 # worst 1.14 -> 1.07) and to 1.005x (H200, 8 warps; worst 1.14 -> 1.09): only three small weights'
 # picks changed (k 512-1024 features: 1-13% faster on the H100, +2.4% to -12% on the H200;
-# kernels/NOTES.md, "Splits of 2 steps at 128 tokens").
-MIN_SPLIT_STEPS_WIDE = {128: 2}
+# kernels/NOTES.md, "Splits of 2 steps at 128 tokens"). The 64-token tile's run down to 3 (same
+# notes as WAVES_WIDE_TILES: 2 made two small k weights' picks 4-7% slower on both GPUs' sweeps).
+MIN_SPLIT_STEPS_WIDE = {64: 3, 128: 2}
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
 # Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
@@ -369,11 +374,6 @@ FILL = 0.9
 # a split), 4096x4096 15.6 -> 13.5 (8), 8192x5120 22.6 -> 20.9 (10); but 4096x14336 28.2 -> 29.7 (28)
 # and 8192x28672 79.7 -> 80.4 (56) (kernels/NOTES.md).
 CLUSTER_PAIR_STEPS = 16
-# The wide tiles' pair: 2 clustered splits replace a grid where their busiest SM runs fewer steps,
-# counting the cluster's epilogue (adding 64 tokens' partial sums) as this many steps. Fit to 24 grids
-# of Llama-3.1-8B, Llama-3.3-70B and Qwen3-32B weights at 64-256 rows on an H100, against the pair:
-# with it the rule picks the faster grid in 23 and the 24th is a tie (kernels/NOTES.md).
-CLUSTER_EPILOGUE_STEPS = 2.5
 
 
 def min_split_steps(tokens: int) -> int:
@@ -422,13 +422,11 @@ def grid_for(
     runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
-    The 128-token tile (``WAVES_WIDE_TILES``) takes the waves rule's grid too, its partial sums
-    allowed ``PARTIAL_FLOOR_BYTES``. The narrower wide tiles measured slower under the busiest-SM
-    rule (M = 32 in the A/B gate, kernels/NOTES.md), and more splits cost them partial sums M
-    times larger: they take as many splits as fit beside each other in one wave (a grid just over
+    The 64- and 128-token tiles (``WAVES_WIDE_TILES``) take the waves rule's grid too, their
+    partial sums allowed ``PARTIAL_FLOOR_BYTES``. The 32-token tile measured slower under the busiest-SM
+    rule (M = 32 in the A/B gate, kernels/NOTES.md), and more splits cost it partial sums M
+    times larger: it takes as many splits as fit beside each other in one wave (a grid just over
     one wave would run its few extra blocks as a second wave).
-    Where their kernel adds splits in a cluster, two clustered splits replace that grid if their
-    busiest SM runs fewer steps, each split's steps counted with ``CLUSTER_EPILOGUE_STEPS``.
     ``warps``: the build's warps a block (0: the tile's WARPS)."""
     groups, tiles, steps = -(-N // features_per_block(tokens, warps)), -(-M // tokens), steps_of(K, tokens)
     partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if tokens in WAVES_WIDE_TILES else 0)
@@ -472,15 +470,10 @@ def grid_for(
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     if tokens not in DECODE_TILES:
         n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        pair_pays = (
-            pair_steps >= min_split_steps(tokens)
-            and busiest_sm_steps(2 * units, pair_steps + CLUSTER_EPILOGUE_STEPS, sms) < cost(n)[0]
-        )
-    else:
-        fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
-        n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
-        pair_pays = n > 2 and pair_no_slower(n)
-    if pair_fits and pair_pays:  # before a cluster of more splits: the pair measured faster there
+        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
+    fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
+    n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
+    if pair_fits and n > 2 and pair_no_slower(n):  # before a cluster of more splits: the pair measured faster there
         return Grid((groups, 2, tiles), pair_steps, True)
     return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
 
