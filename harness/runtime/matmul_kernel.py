@@ -140,7 +140,7 @@ class MatmulVariant:
         if self.few_rows and not (self.nested and self.tokens == DECODE_TILES[0]):
             raise ValueError(f"the few-rows build is the nested {DECODE_TILES[0]}-token kernel's only: {self}")
         if not self.warps:
-            object.__setattr__(self, "warps", WARPS[self.tokens])  # frozen: set once, here
+            object.__setattr__(self, "warps", block_warps(self.tokens))  # frozen: set once, here
         if self.warps not in (WARPS[self.tokens], WIDE_WARPS.get(self.tokens)):
             raise ValueError(f"no {self.warps}-warp build of the {self.tokens}-token tile: {self}")
 
@@ -245,14 +245,19 @@ def steps_of(K: int, tokens: int) -> int:
     return -(-K // step_k(tokens))
 
 
+def block_warps(tokens: int, warps: int = 0) -> int:
+    """Warps a block of the kernel for this token tile runs: ``warps``, 0 for the tile's WARPS."""
+    return warps or WARPS[tokens]
+
+
 def threads(tokens: int, warps: int = 0) -> int:
-    """Threads a block of the kernel for this token tile runs (``warps``: 0, the tile's WARPS)."""
-    return (warps or WARPS[tokens]) * 32
+    """Threads a block of the kernel for this token tile runs."""
+    return block_warps(tokens, warps) * 32
 
 
 def features_per_block(tokens: int, warps: int = 0) -> int:
     """Output features a block of the kernel for this token tile computes (16 a warp)."""
-    return (warps or WARPS[tokens]) * 16
+    return block_warps(tokens, warps) * 16
 
 
 def token_tile(m: int) -> int:
