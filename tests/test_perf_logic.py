@@ -10,7 +10,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from harness.correctness import op_checks
-from harness.perf import baseline, catalog, gate, gpu_info, gpu_timer, policy, report, sides, stage, stats, tree_guard
+from harness.perf import baseline, catalog, gate, gpu_info, gpu_timer, policy, report, sides, stage, tree_guard
 from harness.perf.gpu_timer import StopRule, ThrottleRule, relative_noise
 from harness.perf.stats import PairedRatio, holm, relative_spread
 from harness.runtime import ops
@@ -539,33 +538,8 @@ def test_the_timer_holds_fresh_inputs_behind_the_block_and_collects_right_after_
     order = [state for state, _ in timer._steps(None, lambda: None, gpu_timer.Hooks())]
     S = gpu_timer.State
     assert order == [
-        S.BLOCK, S.PREPARE, S.VARY_HISTORY, S.FLUSH_L2, S.RECORD_START, S.LAUNCH, S.RECORD_STOP, S.COLLECT,
-        S.RELEASE, S.READ,
+        S.BLOCK, S.PREPARE, S.FLUSH_L2, S.RECORD_START, S.LAUNCH, S.RECORD_STOP, S.COLLECT, S.RELEASE, S.READ
     ]  # fmt: skip
-
-
-def test_the_timer_varies_each_samples_launch_history_alike_in_every_process(monkeypatch):
-    """VARY_HISTORY: behind the hold, a seeded random count of empty launches (the blocker on a flag
-    that is already open, never the hold's), every count of [0, HISTORY_LAUNCHES) drawn, and the
-    same counts in every timer, so both sides of an A/B session vary theirs alike."""
-    launches = []
-    monkeypatch.setattr(gpu_timer.launcher, "launch", lambda kernel, grid, block, stream, args: launches.append(args))
-
-    def counts(samples: int) -> list[int]:
-        timer = object.__new__(gpu_timer.ColdL2Timer)  # what __init__ sets for the state, no GPU
-        timer.blocker, timer.history = "blocker", gpu_timer.history_generator()
-        timer.open_flag, timer.timed_out = SimpleNamespace(data_ptr=lambda: 8), SimpleNamespace(data_ptr=lambda: 16)
-        drawn = []
-        for _ in range(samples):
-            before = len(launches)
-            timer._vary_history(SimpleNamespace(cuda_stream=1))
-            drawn.append(len(launches) - before)
-        return drawn
-
-    first = counts(400)
-    assert sorted(set(first)) == list(range(gpu_timer.HISTORY_LAUNCHES))
-    assert counts(400) == first
-    assert all(args[0] == 8 for args in launches)  # the open flag: each launch returns at once
 
 
 @pytest.mark.gpu
@@ -582,16 +556,6 @@ def test_the_timers_l2_flush_reads_its_buffer_and_never_writes_it(cuda, run_seed
     torch.cuda.synchronize(cuda)
     assert torch.equal(buffer, before), "the flush wrote its buffer"
     assert counter.item() == 3 and all(t > 0 for t in times)
-
-
-@pytest.mark.gpu
-def test_every_sample_of_a_fresh_timer_draws_its_history_from_the_seeded_sequence(cuda):
-    timer, expected = gpu_timer.ColdL2Timer(cuda), gpu_timer.history_generator()
-    assert timer.history.getstate() == expected.getstate()
-    for _ in range(3):
-        timer.sample(lambda: None)
-        expected.randrange(gpu_timer.HISTORY_LAUNCHES)
-    assert timer.history.getstate() == expected.getstate()
 
 
 def test_the_guard_sees_any_change_to_the_judges_files_even_put_back(tmp_path):
@@ -1142,40 +1106,6 @@ def test_rounds_alternate_between_the_arrangements_two_at_a_time_so_each_gets_bo
     for start in range(0, 16, 4):  # any 4 rounds from an even start: 2 each, both orders (index % 2) each
         for a in (0, 1):
             assert sorted(i % 2 for i in range(start, start + 4) if picks[i] == a) == [0, 1]
-
-
-def test_a_call_at_two_levels_reads_same_when_rounds_are_trimmed_means_of_varied_samples(run_seed):
-    """The timer's VARY_HISTORY puts each sample of a call whose time depends on the launches before
-    it at either level alike (the o weight at 16 rows: 26.35 or 27.25 µs, H100). Unchanged code, 24
-    samples a side a round (ABBA of the schedule's batches): with each round's time the trimmed mean
-    of its samples (``stats.round_time``) the gate reads SAME by 32 rounds; the median of a batch of
-    two levels has no stable value, and over fixed seeds it leaves most such sessions undecided."""
-    large = policy.size_class(10**9)
-    per_round = 2 * policy.SCHEDULE.samples
-
-    def verdict(rng: random.Random, round_time, rounds: int) -> gate.Verdict:
-        def side() -> float:
-            return round_time(
-                [(26.35 if rng.random() < 0.5 else 27.25) * (1 + rng.gauss(0, 0.002)) for _ in range(per_round)]
-            )
-
-        base, cand = [side() for _ in range(rounds)], [side() for _ in range(rounds)]
-        return gate.judge({"o": (PairedRatio.from_rounds(base, cand), large)})["o"].verdict
-
-    assert verdict(random.Random(run_seed), stats.round_time, 32) is gate.Verdict.SAME
-    seeds = range(40)
-    trimmed = [verdict(random.Random(s), stats.round_time, 32) for s in seeds]
-    medians = [verdict(random.Random(s), statistics.median, 32) for s in seeds]
-    assert trimmed.count(gate.Verdict.SAME) == len(seeds)
-    assert medians.count(gate.Verdict.SAME) < len(seeds) / 2
-
-
-def test_a_rounds_time_is_its_batchs_trimmed_mean_and_a_few_slow_samples_do_not_move_it():
-    assert stats.round_time([float(v) for v in range(1, 11)]) == pytest.approx(5.5)
-    batch = [20e-6 * (1 + 0.001 * i) for i in range(22)] + [200e-6, 90e-6]  # two samples hit by something else
-    assert stats.round_time(batch) == pytest.approx(statistics.median(batch), rel=0.005)
-    with pytest.raises(ValueError, match="needs samples"):
-        stats.round_time([])
 
 
 @pytest.mark.parametrize("offset", [0.013, -0.013])

@@ -4,7 +4,6 @@ One sample is a small state machine on the measured stream:
 
     BLOCK         enqueue a kernel that spins on a host-mapped flag, holding the stream
     PREPARE       enqueue the caller's untimed setup (fresh inputs for this sample), if any
-    VARY_HISTORY  enqueue 0 to HISTORY_LAUNCHES - 1 empty launches, a seeded random count
     FLUSH_L2      read a buffer twice the L2's size, so the launch starts cold with a clean L2
     RECORD_START  enqueue the start event
     LAUNCH        enqueue the work (any callable that launches on the current stream)
@@ -27,17 +26,6 @@ after a read one; the fused matmul on the 70B gate weight at one row 54.3 µs af
 62.4 after a written one, where the kernel it replaced took 61.8 and 62.1: a written flush hid a
 12% gain of a kernel near the memory's pace.
 
-VARY_HISTORY is there because a kernel's time can depend on how many launches came before it. The
-fused matmul on an 8192x8192 weight at 16 rows, as finished splits (main kernel and finish), took
-26.3 or 27.2 µs by the parity of the launches since the last round (H100 and H200): with three
-warm-up calls a round the rounds alternated between the two levels, with four every round read
-27.2, with one more call between rounds every round 26.4; unsplit or clustered, one level. A fixed
-sequence of launches pins each sample to one of those states by accident, a different one in each
-measuring process, which the A/B gate then reads as a 3% difference between sides
-(kernels/NOTES.md, "The false alarm on the o weight at 16 rows"). A random count of empty launches
-before each sample spreads every sample over the states alike, in every process: the same seeded
-counts on both sides of an A/B session.
-
 Whether to keep sampling is the ``StopRule``'s call; whether a sample counts is the
 ``ThrottleRule``'s. Both have their defaults written down below.
 """
@@ -46,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -59,22 +46,11 @@ from harness.runtime import launcher
 
 BLOCK_TIMEOUT_NS = 2_000_000_000  # a spin that is never released gives up after 2 s
 BLOCKER_PARAMS = ("ptr", "ptr", "u64")  # kernels/block_stream.cu: flag, timed_out, timeout_ns
-# VARY_HISTORY's empty launches a sample: a count in [0, HISTORY_LAUNCHES), from a generator seeded
-# with HISTORY_SEED in every timer. The states measured came round every 4 launches; 8 covers that
-# period and its halves.
-HISTORY_LAUNCHES = 8
-HISTORY_SEED = 20261128
-
-
-def history_generator() -> random.Random:
-    """VARY_HISTORY's counts: the same sequence in every timer (``HISTORY_SEED``)."""
-    return random.Random(HISTORY_SEED)
 
 
 class State(enum.Enum):
     BLOCK = "block"
     PREPARE = "prepare"
-    VARY_HISTORY = "vary_history"
     FLUSH_L2 = "flush_l2"
     RECORD_START = "record_start"
     LAUNCH = "launch"
@@ -183,8 +159,6 @@ class ColdL2Timer:
         self.stop_event = torch.cuda.Event(enable_timing=True)
         self.flush_sink = torch.empty((), dtype=torch.float32, device=device)
         self.blocker = launcher.load("block-stream", "block_stream.cu", "block_stream", device.index, BLOCKER_PARAMS)
-        self.open_flag = torch.ones(1, dtype=torch.int32, device=device)  # a blocker reading it returns at once
-        self.history = history_generator()
         self.state = State.READ
         # The reduction's kernel loads now: a lazy module load while the stream is held would
         # stall the enqueue past the spin's timeout.
@@ -206,12 +180,6 @@ class ColdL2Timer:
             (self.flag.data_ptr(), self.timed_out.data_ptr(), BLOCK_TIMEOUT_NS),
         )
 
-    def _vary_history(self, stream: torch.cuda.Stream) -> None:
-        """A seeded random count of empty launches (the blocker on an open flag) behind the hold."""
-        args = (self.open_flag.data_ptr(), self.timed_out.data_ptr(), BLOCK_TIMEOUT_NS)
-        for _ in range(self.history.randrange(HISTORY_LAUNCHES)):
-            launcher.launch(self.blocker, 1, 32, stream.cuda_stream, args)
-
     def _steps(
         self, stream: torch.cuda.Stream, fn: Callable[[], object], hooks: Hooks
     ) -> tuple[tuple[State, Callable[[], object]], ...]:
@@ -225,7 +193,6 @@ class ColdL2Timer:
         return (
             (State.BLOCK, lambda: self._block(stream)),
             (State.PREPARE, hooks.prepare),
-            (State.VARY_HISTORY, lambda: self._vary_history(stream)),
             (State.FLUSH_L2, self.flush_l2),
             (State.RECORD_START, lambda: self.start.record(stream)),
             (State.LAUNCH, launch),

@@ -7,8 +7,8 @@ import each side's checkout (``harness.perf.sides``), so each is timed through i
 launcher and kernel; nothing of the candidate is imported here. The judge builds each case's
 inputs once, lends the same buffers to both sides (``harness.perf.stage``) and checks the
 outputs they return. Per case, rounds of ABBA batches (base, candidate, candidate, base; the next
-round BAAB) put clock and thermal drift on both sides alike; each round's ratio of the sides'
-times (``stats.round_time``: trimmed means of their batches) is one paired observation (``stats``).
+round BAAB) put clock and thermal drift on both sides alike; each round's ratio of medians is one
+paired observation (``stats``).
 
 Without a base the session measures the candidate alone: the drift guard against the stored
 baseline still runs, and ``--save-baseline`` records from it.
@@ -33,7 +33,7 @@ import torch
 
 from harness import settings
 from harness.correctness.op_checks.unit import PerfCase
-from harness.perf import baseline, gate, gpu_info, gpu_timer, policy, sides, stage, stats, tree_guard
+from harness.perf import baseline, gate, gpu_info, gpu_timer, policy, sides, stage, tree_guard
 from harness.perf.catalog import E2E_STEP
 from harness.perf.stats import PairedRatio
 from harness.runtime import jit
@@ -185,8 +185,8 @@ class Worker:
 @dataclass
 class KernelResult:
     case: PerfCase
-    base_rounds_s: list[float] = field(default_factory=list)  # per round, the base's (stats.round_time)
-    cand_rounds_s: list[float] = field(default_factory=list)  # per round, the candidate's
+    base_rounds_s: list[float] = field(default_factory=list)  # per-round median, base side
+    cand_rounds_s: list[float] = field(default_factory=list)  # per-round median, candidate side
     cand_samples_s: list[float] = field(default_factory=list)  # every kept candidate sample
     # Every side's prepared outputs were what the case demands (the base's bits; a matmul: inside
     # the fp64 bound); None where there is nothing to compare with (a dequantization measured alone).
@@ -344,10 +344,10 @@ class PerfSession:
                     result.rejected_batches.append(f"round {index}, {side}: output")
                 if min(reply["samples_s"]) < fastest_s:
                     result.rejected_batches.append(f"round {index}, {side}: faster than the roofline")
-            result.cand_rounds_s.append(stats.round_time(batch["candidate"]))
+            result.cand_rounds_s.append(statistics.median(batch["candidate"]))
             result.cand_samples_s += batch["candidate"]
             if self.ab:
-                result.base_rounds_s.append(stats.round_time(batch["base"]))
+                result.base_rounds_s.append(statistics.median(batch["base"]))
 
     def measure_kernel(self, case: PerfCase) -> KernelResult:
         """Measure one case on both sides (and the reference implementations in this process)."""

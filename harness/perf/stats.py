@@ -72,21 +72,6 @@ class PairedRatio:
         return float(2 * _scipy_stats.t.sf(abs(mean) / se, self.rounds - 1))
 
 
-# A side's time in a round: the mean of its batch's samples past the fastest and slowest ROUND_TRIM
-# of them. A call whose time takes one of two levels from launch to launch (the timer's
-# VARY_HISTORY) has no stable median: over batches of 15 samples from two levels 3.4% apart, taken
-# alike, the median's spread is 1.5%, the trimmed mean's 0.7%. Robust still to a few slow samples
-# (under a fifth of the batch).
-ROUND_TRIM = 0.2
-
-
-def round_time(samples: Sequence[float]) -> float:
-    """A side's time in one round from its batch's samples (``ROUND_TRIM``)."""
-    if not samples:
-        raise ValueError("a round needs samples")
-    return float(_scipy_stats.trim_mean(samples, ROUND_TRIM))
-
-
 def holm(p_values: Mapping[str, float]) -> dict[str, float]:
     """Holm-Bonferroni adjusted p-values: rejecting every case whose adjusted value is below
     alpha keeps the family-wise error rate at alpha, whatever the dependence between cases."""
