@@ -161,10 +161,10 @@ def cost_lines(recorded_cases: list[dict]) -> list[dict]:
 
 
 def time_grids(
-    timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids, warps: int = 0
+    timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids, tokens: int, warps: int = 0
 ) -> tuple[dict, bool]:
-    """({grid name: GPU µs}, every grid's output in bound) for one call on ``grids`` of the build with
-    ``warps`` a block (0: the token tile's WARPS)."""
+    """({grid name: GPU µs}, every grid's output in bound) for one call on ``grids`` of the build of
+    ``tokens`` a tile with ``warps`` a block (0: the token tile's WARPS)."""
     times, in_bound = {}, True
     with torch.no_grad():
         for grid in grids:
@@ -173,7 +173,7 @@ def time_grids(
                 return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps)
 
             in_bound &= mr.judge(run(), reference).ok
-            times[grid_name(grid, warps, matmul_kernel.token_tile(x.shape[0]))] = timer.measure(run).median_s * 1e6
+            times[grid_name(grid, warps, tokens)] = timer.measure(run).median_s * 1e6
     return times, in_bound
 
 
@@ -189,7 +189,9 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
         reference = mr.fused_reference(x, B, qs, W, None, torch.bfloat16)
         times, in_bound = {}, True
         for p in plans:
-            timed, ok = time_grids(timer, x, B, qs, reference, candidate_grids(p, M, N, K, variant.tokens), p.warps)
+            timed, ok = time_grids(
+                timer, x, B, qs, reference, candidate_grids(p, M, N, K, variant.tokens), variant.tokens, p.warps
+            )
             times, in_bound = times | timed, in_bound and ok
         kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
         case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens, "kernel": kernel}
