@@ -88,8 +88,12 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     if rule == matmul_kernel.WAVES or per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:
         # No fewer splits cost the waves rule less; or, at 4 or more blocks an SM, two splits replace
         # the unsplit grid it picked, their busiest SM running no more steps.
-        costs = [matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, ())[0][0] for s in range(1, splits + 1)]
-        if matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, ())[0][0] > min(costs):
+        finish = matmul_kernel.finish_steps(tokens)
+        costs = [
+            matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, (), finish)[0][0]
+            for s in range(1, splits + 1)
+        ]
+        if matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, (), finish)[0][0] > min(costs):
             assert splits == 2 and per_sm >= matmul_kernel.BUSIEST_SM_BLOCKS, g
             assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)
         return
@@ -146,6 +150,29 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
         assert (g.splits, g.clustered) == (splits, clustered)
         # Without clusters the grid is the finish's, whatever its size.
         assert not matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, rule=BUSIEST).clustered
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "splits", "clustered"),
+    [
+        (8192, 8192, 2, True),  # llama-3.3-70b q/o: the pair 27.2 µs (H200), 3 finished splits 28.0
+        (8192, 5120, 2, True),  # qwen3-32b q: the pair 19.7 (H200), 3 finished 20.0; H100 22.1 against 22.0
+        (8192, 28672, 3, False),  # llama-3.3-70b down: 3 finished splits, the fastest on both GPUs
+        (28672, 8192, 2, True),  # llama-3.3-70b gate: the pair, the fastest on both GPUs
+    ],
+)
+def test_the_16_token_tile_prices_its_finish_at_what_it_cost(N, K, splits, clustered):
+    """At 16 rows on Hopper the pair-table kernel's grids under the waves rule with the finish at
+    ``FINISH_STEPS_BY_TILE[16]`` steps (the recorded sweeps' 16-row cases); the 8-token tile keeps
+    ``FINISH_STEPS``, under which the 8192x8192 weight took 3 finished splits."""
+    plan = (hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS)
+    g = matmul_kernel.grid_for(16, N, K, 16, *plan, rule=matmul_kernel.WAVES)
+    assert (g.splits, g.clustered) == (splits, clustered)
+    assert matmul_kernel.finish_steps(16) > matmul_kernel.finish_steps(8) == matmul_kernel.FINISH_STEPS
+    groups, steps = g.blocks[0], matmul_kernel.steps_of(K, 16)
+    three = matmul_kernel.waves_grid(groups, 1, steps, 3, *plan, matmul_kernel.FINISH_STEPS)
+    if (N, K) == (8192, 8192):  # what the flat finish picked: 3 finished splits cost it less
+        assert not three[1].clustered and three[0][0] < matmul_kernel.waves_grid(groups, 1, steps, 2, *plan)[0][0]
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,19 @@ BUSIEST_SM_BLOCKS = 4
 # split's steps plus WAVE_STEPS (a wave's ramp and first loads), plus FINISH_STEPS where the finish
 # kernel adds the splits; fit to that sweep (0, 1, 2 and 4 wave steps: 1.066, 1.051, 1.036, 1.031x).
 WAVE_STEPS, FINISH_STEPS = 4, 2
+# The 16-token tile's finish, priced from its sweeps at 16 rows (8192x8192: 2 finished splits against
+# 2 clustered, a split's step from 2 against 3 finished): 6.2 steps on an H100, 6.7 on an H200. At 2
+# the rule gave that weight 3 finished splits, 2.6% slower than the clustered pair and, with the
+# finish, two levels of time that made an unchanged perf gate go red (kernels/NOTES.md, "The 16-token
+# tile's finish priced at what it was measured to cost"). The 8-token tile keeps its fit.
+FINISH_STEPS_BY_TILE = {16: 6}
+
+
+def finish_steps(tokens: int) -> int:
+    """What the waves rule adds for the finish kernel to a grid of this token tile that has one."""
+    return FINISH_STEPS_BY_TILE.get(tokens, FINISH_STEPS)
+
+
 # Which rule a decode kernel's grid follows, by source (every other source: WAVES; the wide tiles
 # have their own). The pair-table kernel with 16-byte weight loads is no longer bound by its integer
 # pipe: over 60 cases at 1 and 8 rows (30 weights, 5 models) of an H100 grid sweep the busiest-SM
@@ -459,7 +472,10 @@ def grid_for(
         # Past the cap, only grids whose splits a cluster adds (no partial sums), down to
         # WAVES_CLUSTER_STEPS steps, and at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM.
         most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
-        options = (waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters) for s in range(1, most + 1))
+        options = (
+            waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, finish_steps(tokens))
+            for s in range(1, most + 1)
+        )
         allowed = (
             o
             for o in options
@@ -484,7 +500,14 @@ def grid_for(
 
 
 def waves_grid(
-    groups: int, tiles: int, steps: int, splits: int, blocks_per_sm: int, sms: int, max_clusters: tuple[int, ...]
+    groups: int,
+    tiles: int,
+    steps: int,
+    splits: int,
+    blocks_per_sm: int,
+    sms: int,
+    max_clusters: tuple[int, ...],
+    finish: int = FINISH_STEPS,
 ) -> tuple[tuple[float, int], Grid]:
     """((cost, splits), grid) of the waves rule (``WAVE_STEPS``) for K in ``splits`` splits (fewer where
     one would be empty): the grid of the smallest (cost, splits) is taken, the fewest splits on a tie."""
@@ -492,15 +515,16 @@ def waves_grid(
     n, units = -(-steps // per_split), groups * tiles
     clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters, waves_rule=True)
     grid = Grid((groups, n, tiles), per_split, clustered)
-    return (waves_cost(grid, blocks_per_sm, sms), n), grid
+    return (waves_cost(grid, blocks_per_sm, sms, finish), n), grid
 
 
-def waves_cost(grid: Grid, blocks_per_sm: int, sms: int) -> int:
+def waves_cost(grid: Grid, blocks_per_sm: int, sms: int, finish: int = FINISH_STEPS) -> int:
     """The waves rule's cost of a grid, in steps: its waves (blocks over what the GPU holds at once)
-    times a split's steps plus WAVE_STEPS, plus FINISH_STEPS where the finish adds the splits."""
+    times a split's steps plus WAVE_STEPS, plus ``finish`` (``finish_steps``) where the finish adds
+    the splits."""
     groups, splits, tiles = grid.blocks
     waves = -(-groups * splits * tiles // (blocks_per_sm * sms))
-    return waves * (grid.steps_per_split + WAVE_STEPS) + (FINISH_STEPS if grid.finished else 0)
+    return waves * (grid.steps_per_split + WAVE_STEPS) + (finish if grid.finished else 0)
 
 
 def clusters_fit(
@@ -550,7 +574,8 @@ class Plan:
         """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``), plus
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms) * STEP_TIME.get((tokens, self.warps), 1.0)
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, finish_steps(tokens))
+        steps *= STEP_TIME.get((tokens, self.warps), 1.0)
         return steps + FINISH_STEPS_PER_MB * grid.workspace_elements(M, N) * 4 / 1e6
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
