@@ -156,7 +156,7 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
     ("N", "K", "splits", "clustered"),
     [
         (8192, 8192, 2, True),  # llama-3.3-70b q/o: the pair 27.2 µs (H200), 3 finished splits 28.0
-        (8192, 5120, 2, True),  # qwen3-32b q: the pair 19.7 (H200), 3 finished 20.0; H100 22.1 against 22.0
+        (8192, 5120, 2, True),  # qwen3-32b q: the pair 19.7 (H200), 3 finished 20.0; H100's sweep 22.1 against 22.0
         (8192, 28672, 3, False),  # llama-3.3-70b down: 3 finished splits, the fastest on both GPUs
         (28672, 8192, 2, True),  # llama-3.3-70b gate: the pair, the fastest on both GPUs
     ],
