@@ -88,12 +88,12 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     if rule == matmul_kernel.WAVES or per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:
         # No fewer splits cost the waves rule less; or, at 4 or more blocks an SM, two splits replace
         # the unsplit grid it picked, their busiest SM running no more steps.
-        finish = matmul_kernel.finish_steps(tokens)
+        price = (matmul_kernel.waves_price(tokens), 4e-6 * M * N)
         costs = [
-            matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, (), finish)[0][0]
+            matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, (), *price)[0][0]
             for s in range(1, splits + 1)
         ]
-        if matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, (), finish)[0][0] > min(costs):
+        if matmul_kernel.waves_grid(groups, tiles, steps, splits, per_sm, sms, (), *price)[0][0] > min(costs):
             assert splits == 2 and per_sm >= matmul_kernel.BUSIEST_SM_BLOCKS, g
             assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)
         return
@@ -163,14 +163,15 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
 )
 def test_the_16_token_tile_prices_its_finish_at_what_it_cost(N, K, splits, clustered):
     """At 16 rows on Hopper the pair-table kernel's grids under the waves rule with the finish at
-    ``FINISH_STEPS_BY_TILE[16]`` steps (the recorded sweeps' 16-row cases); the 8-token tile keeps
+    ``WAVES_PRICES[16]`` steps (the recorded sweeps' 16-row cases); the 8-token tile keeps
     ``FINISH_STEPS``, under which the 8192x8192 weight took 3 finished splits."""
     plan = (hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS)
     g = matmul_kernel.grid_for(16, N, K, 16, *plan, rule=matmul_kernel.WAVES)
     assert (g.splits, g.clustered) == (splits, clustered)
-    assert matmul_kernel.finish_steps(16) > matmul_kernel.finish_steps(8) == matmul_kernel.FINISH_STEPS
+    flat = matmul_kernel.waves_price(8)
+    assert matmul_kernel.waves_price(16).finish_steps > flat.finish_steps == matmul_kernel.FINISH_STEPS
     groups, steps = g.blocks[0], matmul_kernel.steps_of(K, 16)
-    three = matmul_kernel.waves_grid(groups, 1, steps, 3, *plan, matmul_kernel.FINISH_STEPS)
+    three = matmul_kernel.waves_grid(groups, 1, steps, 3, *plan, flat)
     if (N, K) == (8192, 8192):  # what the flat finish picked: 3 finished splits cost it less
         assert not three[1].clustered and three[0][0] < matmul_kernel.waves_grid(groups, 1, steps, 2, *plan)[0][0]
 
@@ -195,6 +196,36 @@ def test_the_64_token_tile_takes_a_clustered_pair_where_it_measured_faster(N, K,
     assert (g.splits, g.clustered) == (splits, clustered)
     unclustered = matmul_kernel.grid_for(64, N, K, 64, hopper.WIDE64_PER_SM, hopper.SMS, rule=WIDE)
     assert not unclustered.clustered and (unclustered.splits == splits or clustered)
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "old", "new"),
+    [
+        (3072, 3072, (8, 3), (5, 5)),  # phi-3-mini o: 16.4 -> 14.9 µs (H100), 17.3 -> 15.5 (H200)
+        (5120, 4096, (6, 6), (3, 11)),  # mistral-nemo-12b o: 23.2 -> 22.0, 23.2 -> 21.7
+        (2048, 5376, (14, 3), (7, 6)),  # gemma-3-27b k: 17.5 -> 17.2, 17.5 -> 16.2
+        (3584, 3584, (7, 4), (4, 7)),  # qwen2.5-7b q: 19.0 -> 17.0, 18.3 -> 17.8
+    ],
+)
+def test_the_64_token_tile_prices_a_shared_sm_and_the_partial_sums(N, K, old, new):
+    """At 64 rows on Hopper (2 blocks an SM) a second block on an SM lengthens each step and the
+    finish costs its partial sums' MB (``WAVES_PRICES[64]``): fewer finished splits of more steps,
+    one block an SM, where the recorded sweeps timed them faster on both GPUs; priced as the other
+    tiles are (flat finish, no sharing), the rule takes the old grid."""
+    plan = (hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS)
+    g = matmul_kernel.grid_for(64, N, K, 64, *plan, rule=WIDE)
+    assert (g.splits, g.steps_per_split, g.clustered) == (*new, False)
+    assert g.blocks[0] * g.splits <= hopper.SMS < g.blocks[0] * old[0]  # one block an SM, against two
+    groups, steps, price = g.blocks[0], matmul_kernel.steps_of(K, 64), matmul_kernel.waves_price(64)
+    assert price.shared_sm_step > 0 and price.finish_steps_per_mb == matmul_kernel.FINISH_STEPS_PER_MB
+
+    def cheapest(*priced):
+        options = [matmul_kernel.waves_grid(groups, 1, steps, s, *plan, *priced) for s in range(1, 17)]
+        return min(options, key=lambda option: option[0])[1]
+
+    assert cheapest(price, 4e-6 * 64 * N) == g
+    flat = cheapest()
+    assert (flat.splits, flat.steps_per_split) == old
 
 
 @pytest.mark.parametrize(

@@ -46,20 +46,6 @@ BUSIEST_SM_BLOCKS = 4
 # split's steps plus WAVE_STEPS (a wave's ramp and first loads), plus FINISH_STEPS where the finish
 # kernel adds the splits; fit to that sweep (0, 1, 2 and 4 wave steps: 1.066, 1.051, 1.036, 1.031x).
 WAVE_STEPS, FINISH_STEPS = 4, 2
-# The 16-token tile's finish, priced from its sweeps at 16 rows (8192x8192: 2 finished splits against
-# 2 clustered, a split's step from 2 against 3 finished): 6.2 steps on an H100, 6.7 on an H200. At 2
-# the rule gave that weight 3 finished splits: side by side 8.6% slower than the clustered pair (H200;
-# 7.5% on an H100) and, with the finish, two levels of time that made an unchanged perf gate go red
-# (kernels/NOTES.md, "The 16-token tile's finish priced at what it was measured to cost"). The 8-token
-# tile keeps its fit.
-FINISH_STEPS_BY_TILE = {16: 6}
-
-
-def finish_steps(tokens: int) -> int:
-    """What the waves rule adds for the finish kernel to a grid of this token tile that has one."""
-    return FINISH_STEPS_BY_TILE.get(tokens, FINISH_STEPS)
-
-
 # Which rule a decode kernel's grid follows, by source (every other source: WAVES; the wide tiles
 # have their own). The pair-table kernel with 16-byte weight loads is no longer bound by its integer
 # pipe: over 60 cases at 1 and 8 rows (30 weights, 5 models) of an H100 grid sweep the busiest-SM
@@ -103,6 +89,38 @@ STEP_TIME = {(128, 12): 1.24}  # (token tile, warps) -> a block's step time agai
 # step at 128 tokens (1.74 µs). Without it the gate weight 28672x8192 took the 12-warp build in 4
 # splits (59 MB of sums): 220 µs against 217 for the 8-warp build unsplit.
 FINISH_STEPS_PER_MB = 0.2
+
+
+@dataclass(frozen=True)
+class WavesPrice:
+    """What the waves rule charges a token tile's grid beyond its waves of steps: a flat cost for
+    the finish kernel, a cost a MB of partial sums it reads, and how much longer a block's step runs
+    for each further block of the tile on its SM in a wave."""
+
+    finish_steps: float = FINISH_STEPS
+    finish_steps_per_mb: float = 0.0
+    shared_sm_step: float = 0.0
+
+
+# By token tile (every other tile: WavesPrice()). At 16 tokens the finish priced from that tile's
+# sweeps at 16 rows (8192x8192: 2 finished splits against 2 clustered, a split's step from 2 against
+# 3 finished): 6.2 steps on an H100, 6.7 on an H200. At 2 the rule gave that weight 3 finished
+# splits: side by side 8.6% slower than the clustered pair (H200; 7.5% on an H100) and, with the
+# finish, two levels of time that made an unchanged perf gate go red (kernels/NOTES.md, "The
+# 16-token tile's finish priced at what it was measured to cost"). The 64-token tile holds 2 blocks
+# an SM: a wave over more blocks than SMs puts two on an SM, each step then 1.8x as long, and its
+# finish reads up to 8 MB of partial sums; priced so, the recorded 64-row sweeps' picks went from
+# 1.020x the fastest grid to 1.006x (H100) and 1.026x to 1.013x (H200), seven weights' grids moved,
+# the same on both (kernels/NOTES.md, "The 64-token tile's waves priced with a shared SM and the
+# partial sums' bytes"). The 8-token and 128-token tiles keep their fit.
+WAVES_PRICES = {16: WavesPrice(finish_steps=6), 64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8)}
+
+
+def waves_price(tokens: int) -> WavesPrice:
+    """What the waves rule charges this token tile's grids (``WAVES_PRICES``)."""
+    return WAVES_PRICES.get(tokens, WavesPrice())
+
+
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
 # one's oracle), by source: "dequantized" multiplies the dequantization kernel's bits; "scaled-sums"
 # rounds the code to A's dtype and applies the block's scale to fp32 sums of the chunks of k.
@@ -442,7 +460,8 @@ def grid_for(
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
     The 64- and 128-token tiles (``WAVES_WIDE_TILES``) take the waves rule's grid too, their
-    partial sums allowed ``PARTIAL_FLOOR_BYTES``. The 32-token tile measured slower under the busiest-SM
+    partial sums allowed ``PARTIAL_FLOOR_BYTES``; under that rule each tile's grids are priced by
+    ``WAVES_PRICES``. The 32-token tile measured slower under the busiest-SM
     rule (M = 32 in the A/B gate, kernels/NOTES.md), and more splits cost it partial sums M
     times larger: it takes as many splits as fit beside each other in one wave (a grid just over
     one wave would run its few extra blocks as a second wave).
@@ -474,7 +493,7 @@ def grid_for(
         # WAVES_CLUSTER_STEPS steps, and at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM.
         most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
         options = (
-            waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, finish_steps(tokens))
+            waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), 4e-6 * M * N)
             for s in range(1, most + 1)
         )
         allowed = (
@@ -508,7 +527,8 @@ def waves_grid(
     blocks_per_sm: int,
     sms: int,
     max_clusters: tuple[int, ...],
-    finish: int = FINISH_STEPS,
+    price: WavesPrice = WavesPrice(),
+    split_mb: float = 0.0,
 ) -> tuple[tuple[float, int], Grid]:
     """((cost, splits), grid) of the waves rule (``WAVE_STEPS``) for K in ``splits`` splits (fewer where
     one would be empty): the grid of the smallest (cost, splits) is taken, the fewest splits on a tie."""
@@ -516,16 +536,24 @@ def waves_grid(
     n, units = -(-steps // per_split), groups * tiles
     clustered = clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters, waves_rule=True)
     grid = Grid((groups, n, tiles), per_split, clustered)
-    return (waves_cost(grid, blocks_per_sm, sms, finish), n), grid
+    return (waves_cost(grid, blocks_per_sm, sms, price, split_mb), n), grid
 
 
-def waves_cost(grid: Grid, blocks_per_sm: int, sms: int, finish: int = FINISH_STEPS) -> int:
+def waves_cost(
+    grid: Grid, blocks_per_sm: int, sms: int, price: WavesPrice = WavesPrice(), split_mb: float = 0.0
+) -> float:
     """The waves rule's cost of a grid, in steps: its waves (blocks over what the GPU holds at once)
-    times a split's steps plus WAVE_STEPS, plus ``finish`` (``finish_steps``) where the finish adds
-    the splits."""
+    times a split's steps (longer by ``price.shared_sm_step`` for each further block on the busiest
+    SM of a full wave) plus WAVE_STEPS, plus where the finish adds the splits its flat price and its
+    price a MB of the splits' partial sums (``split_mb`` MB a split)."""
     groups, splits, tiles = grid.blocks
-    waves = -(-groups * splits * tiles // (blocks_per_sm * sms))
-    return waves * (grid.steps_per_split + WAVE_STEPS) + (finish if grid.finished else 0)
+    blocks = groups * splits * tiles
+    waves = -(-blocks // (blocks_per_sm * sms))
+    sharing = -(-min(blocks, blocks_per_sm * sms) // sms) - 1
+    cost = waves * (grid.steps_per_split * (1 + price.shared_sm_step * sharing) + WAVE_STEPS)
+    if grid.finished:
+        cost += price.finish_steps + price.finish_steps_per_mb * split_mb * splits
+    return cost
 
 
 def clusters_fit(
@@ -575,9 +603,10 @@ class Plan:
         """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``), plus
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms, finish_steps(tokens))
+        price, mb = waves_price(tokens), grid.workspace_elements(M, N) * 4 / 1e6
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price, 4e-6 * M * N)
         steps *= STEP_TIME.get((tokens, self.warps), 1.0)
-        return steps + FINISH_STEPS_PER_MB * grid.workspace_elements(M, N) * 4 / 1e6
+        return steps + (FINISH_STEPS_PER_MB - price.finish_steps_per_mb) * mb  # once, where the price has it
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
         """Whether the main kernel computes a call on ``grid``, picked by the rules or not: a block
