@@ -116,6 +116,11 @@ class WavesPrice:
 WAVES_PRICES = {16: WavesPrice(finish_steps=6), 64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8)}
 
 
+def split_partial_mb(M: int, N: int) -> float:
+    """MB of one split's fp32 partial sums of an M x N output (what ``WavesPrice`` prices a MB)."""
+    return 4 * M * N / 1e6
+
+
 def waves_price(tokens: int) -> WavesPrice:
     """What the waves rule charges this token tile's grids (``WAVES_PRICES``)."""
     return WAVES_PRICES.get(tokens, WavesPrice())
@@ -493,7 +498,9 @@ def grid_for(
         # WAVES_CLUSTER_STEPS steps, and at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM.
         most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
         options = (
-            waves_grid(groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), 4e-6 * M * N)
+            waves_grid(
+                groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), split_partial_mb(M, N)
+            )
             for s in range(1, most + 1)
         )
         allowed = (
@@ -604,7 +611,7 @@ class Plan:
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
         price, mb = waves_price(tokens), grid.workspace_elements(M, N) * 4 / 1e6
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price, 4e-6 * M * N)
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price, split_partial_mb(M, N))
         steps *= STEP_TIME.get((tokens, self.warps), 1.0)
         return steps + (FINISH_STEPS_PER_MB - price.finish_steps_per_mb) * mb  # once, where the price has it
 
