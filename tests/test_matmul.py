@@ -88,7 +88,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
     if rule == matmul_kernel.WAVES or per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:
         # No fewer splits cost the waves rule less; or, at 4 or more blocks an SM, two splits replace
         # the unsplit grid it picked, their busiest SM running no more steps.
-        price = (matmul_kernel.waves_price(tokens), matmul_kernel.split_partial_mb(M, N))
+        price = (matmul_kernel.waves_price(tokens), matmul_kernel.partial_sums_mb(M * N))
         costs = [
             matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, (), *price)[0][0]
             for s in range(1, splits + 1)
@@ -223,7 +223,7 @@ def test_the_64_token_tile_prices_a_shared_sm_and_the_partial_sums(N, K, old, ne
         options = [matmul_kernel.waves_grid(groups, 1, steps, s, *plan, *priced) for s in range(1, 17)]
         return min(options, key=lambda option: option[0])[1]
 
-    assert cheapest(price, matmul_kernel.split_partial_mb(64, N)) == g
+    assert cheapest(price, matmul_kernel.partial_sums_mb(64 * N)) == g
     flat = cheapest()
     assert (flat.splits, flat.steps_per_split) == old
 

@@ -116,9 +116,9 @@ class WavesPrice:
 WAVES_PRICES = {16: WavesPrice(finish_steps=6), 64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8)}
 
 
-def split_partial_mb(M: int, N: int) -> float:
-    """MB of one split's fp32 partial sums of an M x N output (what ``WavesPrice`` prices a MB)."""
-    return 4 * M * N / 1e6
+def partial_sums_mb(elements: int) -> float:
+    """MB of that many fp32 partial sums (what ``WavesPrice`` and ``Plan.cost`` price a MB)."""
+    return 4 * elements / 1e6
 
 
 def waves_price(tokens: int) -> WavesPrice:
@@ -499,7 +499,7 @@ def grid_for(
         most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
         options = (
             waves_grid(
-                groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), split_partial_mb(M, N)
+                groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), partial_sums_mb(M * N)
             )
             for s in range(1, most + 1)
         )
@@ -610,8 +610,8 @@ class Plan:
         """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``), plus
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
-        price, mb = waves_price(tokens), grid.workspace_elements(M, N) * 4 / 1e6
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price, split_partial_mb(M, N))
+        price, mb = waves_price(tokens), partial_sums_mb(grid.workspace_elements(M, N))
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price, partial_sums_mb(M * N))
         steps *= STEP_TIME.get((tokens, self.warps), 1.0)
         return steps + (FINISH_STEPS_PER_MB - price.finish_steps_per_mb) * mb  # once, where the price has it
 
