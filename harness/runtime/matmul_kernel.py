@@ -110,9 +110,10 @@ class WavesPrice:
 # 16-token tile's finish priced at what it was measured to cost"). The 64-token tile holds 2 blocks
 # an SM: a wave over more blocks than SMs puts two on an SM, each step then 1.8x as long, and its
 # finish reads up to 8 MB of partial sums; priced so, the recorded 64-row sweeps' picks went from
-# 1.020x the fastest grid to 1.006x (H100) and 1.026x to 1.013x (H200), seven weights' grids moved,
-# the same on both (kernels/NOTES.md, "The 64-token tile's waves priced with a shared SM and the
-# partial sums' bytes"). The 8-token and 128-token tiles keep their fit.
+# 1.020x the fastest grid to 1.006x (H100) and 1.026x to 1.013x (H200); the seven weights whose grid
+# moved took 0.934x (H100) and 0.936x (H200) their old time side by side (kernels/NOTES.md, "The
+# 64-token tile's waves priced with a shared SM and the partial sums' bytes"). The 8-token and
+# 128-token tiles keep their fit.
 WAVES_PRICES = {16: WavesPrice(finish_steps=6), 64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8)}
 
 
