@@ -197,7 +197,8 @@ def test_rounding():
 def test_baseline_from_several_sessions_and_no_churn(tmp_path):
     path = baseline.save([_record({"a": 204.7, "b": 8.0}), _record({"a": 205.5, "b": 8.1})], tmp_path)
     data = json.loads(path.read_text())
-    assert data["sessions"] == 2 and data["cases"]["a"] == {"us": 205.0, "spread": 0.002, "numel": 200_000_000}
+    assert data["sessions"] == 2
+    assert data["cases"]["a"] == {"us": 205.0, "spread": 0.002, "numel": 200_000_000, "gpus": 1}
     assert [line.strip()[:4] for line in path.read_text().splitlines() if '"us"' in line] == ['"a":', '"b":']
     text = path.read_text()
     # Re-recording unchanged code (values within the threshold, spread no wider) rewrites nothing.
@@ -229,6 +230,56 @@ def test_drift_tolerance_and_check(tmp_path):
     rows = baseline.check_drift(stored, {"a": 200 * (1 + LARGE.drift_floor * 1.2), "b": 105.0, "c": 1.0})
     assert {c: r.status for c, r in rows.items()} == {"a": "DRIFTED", "b": "OK", "c": "MISSING"}
     assert baseline.check_drift(stored, {"a": 150.0})["a"].status == "STALE"
+
+
+def _on_gpu(record: dict, uuid: str) -> dict:
+    return {**record, "gpu": {**record["gpu"], "uuid": uuid}}
+
+
+def test_an_entry_counts_the_gpus_its_sessions_ran_on(tmp_path):
+    """Sessions on one GPU measure that GPU: the entry says how many GPUs it stands on, a drifted
+    entry from one GPU is named in the drift line, and the command line warns when it writes one."""
+    one = baseline.save([_on_gpu(_record({"a": 200.0, "b": 10.0}), "GPU-1")] * 3, tmp_path)
+    assert {c: e["gpus"] for c, e in json.loads(one.read_text())["cases"].items()} == {"a": 1, "b": 1}
+    assert "2 entries stand on sessions of one GPU (a, b)" in baseline.one_gpu_warning(one, [_record({"a": 1, "b": 1})])
+    assert "1 entry stands on sessions of one GPU (a)" in baseline.one_gpu_warning(one, [_record({"a": 1.0})])
+    stored, _ = baseline.load(GPU, tmp_path)
+    rows = baseline.check_drift(stored, {"a": 230.0, "b": 10.0, "c": 1.0})
+    assert rows["a"].gpus == 1 and rows["c"].gpus is None
+    assert baseline.counts_line(rows) == "OK 1, DRIFTED 1 (1 stored from one GPU only: a), MISSING 1"
+    # The same values from two GPUs replace the one-GPU entries (more evidence, no other change)...
+    two = [_on_gpu(_record({"a": 200.5, "b": 10.0}), "GPU-1"), _on_gpu(_record({"a": 200.0, "b": 10.0}), "GPU-2")]
+    baseline.save(two, tmp_path)
+    assert {e["gpus"] for e in json.loads(one.read_text())["cases"].values()} == {2}
+    assert baseline.one_gpu_warning(one, two) == ""
+    stored, _ = baseline.load(GPU, tmp_path)
+    assert baseline.counts_line(baseline.check_drift(stored, {"a": 230.0})) == "DRIFTED 1"
+    # ...and a later one-GPU session of unchanged code leaves them standing on two.
+    text = one.read_text()
+    baseline.save([_on_gpu(_record({"a": 200.2, "b": 10.0}), "GPU-3")], tmp_path)
+    assert one.read_text() == text
+
+
+def test_entries_recorded_before_the_gpu_count_read_and_gain_it_when_re_recorded(tmp_path):
+    path = tmp_path / "nvidia-h100-80gb-hbm3.json"
+    path.write_text(baseline.render(GPU, 4, {"a": baseline.Entry(200.0, 0.01, 200_000_000)}))
+    assert '"gpus"' not in path.read_text()
+    stored, _ = baseline.load(GPU, tmp_path)
+    rows = baseline.check_drift(stored, {"a": 260.0})
+    assert rows["a"].gpus is None and baseline.counts_line(rows) == "DRIFTED 1"  # not counted as one GPU
+    baseline.save([_on_gpu(_record({"a": 200.0}), "GPU-1")], tmp_path)
+    assert json.loads(path.read_text())["cases"]["a"]["gpus"] == 1
+
+
+def test_the_baseline_cli_warns_when_it_writes_an_entry_of_one_gpu(tmp_path, capsys):
+    record = tmp_path / "session-record.json"
+    record.write_text(json.dumps(_on_gpu(_record({"a": 50.0}), "GPU-1")))
+    assert baseline.main([str(record), "--dir", str(tmp_path / "b")]) == 0
+    assert "1 entry stands on sessions of one GPU (a)" in capsys.readouterr().err
+    other = tmp_path / "other-record.json"
+    other.write_text(json.dumps(_on_gpu(_record({"a": 50.2}), "GPU-2")))
+    assert baseline.main([str(record), str(other), "--dir", str(tmp_path / "b")]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 # Two hosts of one H100 model, the same code (kernels/NOTES.md, "The drift guard across hosts"):

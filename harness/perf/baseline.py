@@ -7,11 +7,17 @@ derived from how much that value moved between the sessions (machines) it was re
 
 ``baselines/<gpu-slug>.json``:
 
-    {"schema": 2, "gpu": {...}, "sessions": N, "timer_floor_us": F, "cases": {case: {"us": ..., "spread": ...}}}
+    {"schema": 2, "gpu": {...}, "sessions": N, "timer_floor_us": F,
+     "cases": {case: {"us": ..., "spread": ..., "numel": ..., "gpus": G}}}
 
 ``us`` is the median over sessions of each session's median GPU time, rounded to three
 significant digits; ``spread`` the largest relative distance of a session from it, rounded up to
-0.1%. Re-recording keeps an entry whose value moved by less than the case's threshold (and whose
+0.1%; ``gpus`` how many GPUs (by NVML UUID) those sessions ran on (absent in entries recorded
+before it was kept). Sessions on one GPU measure that GPU, not its model: the spread of an entry
+from one GPU says nothing of how far other GPUs of the model sit from it (one H100's entry read 11%
+slow on three others; kernels/NOTES.md, "The H100 baseline's gate weight at 16 rows"), so the drift
+check names the drifted entries that stand on one GPU and the command line warns when it writes
+one. Re-recording keeps an entry whose value moved by less than the case's threshold (and whose
 spread did not grow), so re-recording unchanged code rewrites no line.
 
 ``timer_floor_us`` is what the sessions' timer read for a launch of nothing
@@ -52,6 +58,7 @@ class Entry:
     us: float
     spread: float
     numel: int
+    gpus: int | None = None  # None: recorded before the count was kept
 
     def tolerance(self) -> float:
         return policy.drift_tolerance(policy.size_class(self.numel), self.spread)
@@ -80,7 +87,7 @@ def round_spread(spread: float) -> float:
 
 
 def _entries(data: dict) -> dict[str, Entry]:
-    return {k: Entry(v["us"], v["spread"], v["numel"]) for k, v in data["cases"].items()}
+    return {k: Entry(v["us"], v["spread"], v["numel"], v.get("gpus")) for k, v in data["cases"].items()}
 
 
 def path_for(gpu: dict, directory: Path) -> Path:
@@ -149,6 +156,7 @@ def combine(records: Iterable[dict], floor: float | None = None) -> tuple[dict, 
     elif floor is None:
         floor = own
     shifts = [0.0 if floor is None else floor - r["timer_floor_us"] for r in records]
+    gpus = len({r["gpu"].get("uuid") for r in records})  # a record without a UUID counts as one GPU
     entries = {}
     for case in sorted(common):
         values = [r["cases"][case]["us"] + shift for r, shift in zip(records, shifts, strict=True)]
@@ -156,18 +164,25 @@ def combine(records: Iterable[dict], floor: float | None = None) -> tuple[dict, 
             round_us(statistics.median(values)),
             round_spread(relative_spread(values)),
             records[0]["cases"][case]["numel"],
+            gpus,
         )
     return records[-1]["gpu"], len(records), entries, floor
 
 
 def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry]:
     """The entries to write: an old entry survives when the new value is within the case's
-    threshold of it and its spread did not grow; cases only in ``old`` are kept."""
+    threshold of it, its spread did not grow and it stands on no fewer GPUs (an entry without the
+    count stands on none known); cases only in ``old`` are kept."""
     out = dict(old)
     for case, entry in new.items():
         prev = old.get(case)
         threshold = policy.size_class(entry.numel).threshold
-        if prev is not None and abs(entry.us / prev.us - 1) <= threshold and entry.spread <= prev.spread:
+        if (
+            prev is not None
+            and abs(entry.us / prev.us - 1) <= threshold
+            and entry.spread <= prev.spread
+            and (prev.gpus or 0) >= (entry.gpus or 0)
+        ):
             continue
         out[case] = entry
     return dict(sorted(out.items()))
@@ -181,7 +196,7 @@ def render(gpu: dict, sessions: int, entries: Mapping[str, Entry], timer_floor_u
     lines = [json.dumps(head, indent=1)[:-2] + ",", ' "cases": {']
     items = list(entries.items())
     for i, (case, e) in enumerate(items):
-        body = json.dumps({"us": e.us, "spread": e.spread, "numel": e.numel})
+        body = json.dumps({"us": e.us, "spread": e.spread, "numel": e.numel} | ({"gpus": e.gpus} if e.gpus else {}))
         lines.append(f"  {json.dumps(case)}: {body}" + ("," if i < len(items) - 1 else ""))
     lines += [" }", "}"]
     return "\n".join(lines) + "\n"
@@ -219,6 +234,7 @@ class DriftRow:
     measured_us: float
     tolerance: float | None
     status: str  # OK, DRIFTED (slower past tolerance), STALE (faster past it), MISSING
+    gpus: int | None = None  # how many GPUs the stored entry stands on (None: not recorded)
 
     @property
     def change(self) -> float | None:
@@ -248,8 +264,39 @@ def check_drift(
         tol, expected = entry.tolerance(), entry.us + shift
         change = us / expected - 1
         status = "DRIFTED" if change > tol else "STALE" if change < -tol else "OK"
-        rows[case] = DriftRow(case, expected, us, tol, status)
+        rows[case] = DriftRow(case, expected, us, tol, status, entry.gpus)
     return rows
+
+
+STATUSES = ("OK", "DRIFTED", "STALE", "MISSING")
+
+
+def counts_line(rows: Mapping[str, DriftRow]) -> str:
+    """The drift line's clause of counts by status; the drifted or stale entries that stand on one
+    GPU are named, since such an entry may hold that GPU's level rather than the model's."""
+    parts = []
+    for status in STATUSES:
+        matching = [r for r in rows.values() if r.status == status]
+        if not matching:
+            continue
+        single = sorted(r.case for r in matching if r.gpus == 1 and status in ("DRIFTED", "STALE"))
+        note = f" ({len(single)} stored from one GPU only: {', '.join(single)})" if single else ""
+        parts.append(f"{status} {len(matching)}{note}")
+    return ", ".join(parts)
+
+
+def one_gpu_warning(path: Path, records: Iterable[dict]) -> str:
+    """After ``save``: a warning naming the file's entries of these records' cases that stand on
+    sessions of one GPU ("" where none does)."""
+    asked = set.union(*(set(r["cases"]) for r in records))
+    single = sorted(c for c, e in _entries(json.loads(path.read_text())).items() if c in asked and e.gpus == 1)
+    if not single:
+        return ""
+    return (
+        f"warning: {len(single)} {'entry stands' if len(single) == 1 else 'entries stand'} on sessions of "
+        f"one GPU ({', '.join(single)}); the drift "
+        "check cannot tell that GPU's level from its model's: add sessions from another GPU"
+    )
 
 
 def floor_line(baseline: Baseline, timer_floor_us: float | None) -> str:
@@ -292,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         records = [only_cases(r, args.cases) for r in records]
     path = save(records, args.dir)
     print(f"baseline: {path}")
+    if warning := one_gpu_warning(path, records):
+        print(warning, file=sys.stderr)
     return 0
 
 

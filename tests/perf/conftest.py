@@ -102,14 +102,15 @@ def pytest_sessionfinish(session, exitstatus):
     directory = Path(opt("--baseline-dir"))
     drift = {}
     if opt("--save-baseline"):
-        drift_line = f"baseline: {baseline.save([record], directory)} (this session merged; no drift check)"
+        saved = baseline.save([record], directory)
+        drift_line = f"baseline: {saved} (this session merged; no drift check)"
+        if warning := baseline.one_gpu_warning(saved, [record]):
+            drift_line += f"; {warning}"
     else:
         stored, drift_line = baseline.load(perf.gpu, directory)
         if stored is not None:
             drift = baseline.check_drift(stored, perf.medians_us(), perf.timer_floor_us)
-            counted = {s: sum(r.status == s for r in drift.values()) for s in ("OK", "DRIFTED", "STALE", "MISSING")}
-            drift_line += f"; {baseline.floor_line(stored, perf.timer_floor_us)}: "
-            drift_line += ", ".join(f"{k} {v}" for k, v in counted.items() if v)
+            drift_line += f"; {baseline.floor_line(stored, perf.timer_floor_us)}: {baseline.counts_line(drift)}"
     drifted = sum(r.status == "DRIFTED" for r in drift.values())
     differing = sum(r.outputs_agree is False for r in perf.kernel.values())
     status = gate.exit_status(
