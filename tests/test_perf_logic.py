@@ -267,8 +267,11 @@ def test_entries_recorded_before_the_gpu_count_read_and_gain_it_when_re_recorded
     stored, _ = baseline.load(GPU, tmp_path)
     rows = baseline.check_drift(stored, {"a": 260.0})
     assert rows["a"].gpus is None and baseline.counts_line(rows) == "DRIFTED 1"  # not counted as one GPU
-    baseline.save([_on_gpu(_record({"a": 200.0}), "GPU-1")], tmp_path)
-    assert json.loads(path.read_text())["cases"]["a"]["gpus"] == 1
+    text = path.read_text()
+    baseline.save([_on_gpu(_record({"a": 200.4}), "GPU-1")], tmp_path)  # one GPU's agreeing session
+    assert path.read_text() == text
+    baseline.save([_on_gpu(_record({"a": 200.4}), "GPU-1"), _on_gpu(_record({"a": 200.0}), "GPU-2")], tmp_path)
+    assert json.loads(path.read_text())["cases"]["a"] == {"us": 200.0, "spread": 0.001, "numel": 200_000_000, "gpus": 2}
 
 
 def test_the_baseline_cli_warns_when_it_writes_an_entry_of_one_gpu(tmp_path, capsys):

@@ -18,7 +18,8 @@ from one GPU says nothing of how far other GPUs of the model sit from it (one H1
 slow on three others; kernels/NOTES.md, "The H100 baseline's gate weight at 16 rows"), so the drift
 check names the drifted entries that stand on one GPU and the command line warns when it writes
 one. Re-recording keeps an entry whose value moved by less than the case's threshold (and whose
-spread did not grow), so re-recording unchanged code rewrites no line.
+spread did not grow, and which stood on no fewer GPUs), so re-recording unchanged code rewrites
+no line.
 
 ``timer_floor_us`` is what the sessions' timer read for a launch of nothing
 (``gpu_timer.empty_interval_us``). Every timed launch carries it, and it is a property of the host,
@@ -172,7 +173,8 @@ def combine(records: Iterable[dict], floor: float | None = None) -> tuple[dict, 
 def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry]:
     """The entries to write: an old entry survives when the new value is within the case's
     threshold of it, its spread did not grow and it stands on no fewer GPUs (an entry without the
-    count stands on none known); cases only in ``old`` are kept."""
+    count is taken to stand on one: sessions of several GPUs replace it, one GPU's do not); cases
+    only in ``old`` are kept."""
     out = dict(old)
     for case, entry in new.items():
         prev = old.get(case)
@@ -181,7 +183,7 @@ def merge(old: Mapping[str, Entry], new: Mapping[str, Entry]) -> dict[str, Entry
             prev is not None
             and abs(entry.us / prev.us - 1) <= threshold
             and entry.spread <= prev.spread
-            and (prev.gpus or 0) >= (entry.gpus or 0)
+            and (prev.gpus or 1) >= (entry.gpus or 1)
         ):
             continue
         out[case] = entry
