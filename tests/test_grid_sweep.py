@@ -219,7 +219,7 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
     result = json.loads((tmp_path / "run" / "grid-sweep.json").read_text())
     assert [case["M"] for case in result["cases"]] == [1, 64]
     for case in result["cases"]:
-        plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"]), cuda.index)
+        plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"], case["N"] * case["K"]), cuda.index)
         assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
         assert len(case["µs by grid"]) > 2 and grid_sweep.rules_choice(case) in case["µs by grid"]
     assert status == 0 and result["summary"]["cases out of bound"] == 0
@@ -234,6 +234,6 @@ def test_a_grid_the_kernel_cannot_run_is_refused_before_any_launch(cuda):
     x = torch.randn(1, 4096, device=cuda, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not run"):
         matmul.fused_matmul_on_grid(x, B.t(), qs, mk.Grid((16, 3, 1), 2, False))  # 16 steps, 6 covered
-    plan = mk.plan(mk.variant_for("bf16", "nf4", True, 1), cuda.index)
+    plan = mk.plan(mk.variant_for("bf16", "nf4", True, 1, 1024 * 4096), cuda.index)
     grid = plan.grid(1, 1024, 4096, 8)
     assert torch.equal(matmul.fused_matmul_on_grid(x, B.t(), qs, grid), matmul.fused_matmul(x, B.t(), qs))

@@ -30,6 +30,10 @@ from tests import hopper_plans as hopper
 BUSIEST, WAVES = matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES
 WIDE = WAVES
 
+# A weight past the size that runs 17-32 rows as two 16-token tiles (matmul_kernel.tile_for): its
+# calls take the smallest token tile that holds them.
+LARGE = 28672 * 8192
+
 # Rows every GPU fuses, whatever the weight: the smallest entry of any crossover table.
 FUSED_EVERYWHERE = min(most for table in (*CROSSOVER_M.values(), DEFAULT_CROSSOVER_M) for _, most in table)
 
@@ -45,7 +49,7 @@ def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_o
     few = matmul_kernel.FEW_ROWS
     calls = itertools.product(matmul_kernel.DTYPES, matmul_kernel.QUANT_TYPES, (False, True), range(1, 20))
     for dtype, quant, nested, m in calls:
-        v = matmul_kernel.variant_for(dtype, quant, nested, m)
+        v = matmul_kernel.variant_for(dtype, quant, nested, m, LARGE)
         assert (v.dtype, v.quant_type, v.nested, v.tokens) == (dtype, quant, nested, matmul_kernel.token_tile(m))
         assert v.few_rows == (nested and m <= few), (nested, m)
         assert v in matmul_kernel.all_variants(), "the compile check and the resource record cover every build"
@@ -60,6 +64,22 @@ def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_o
     for bad in ((False, 8), (True, 16), (True, 64)):  # plain scales, or a tile past one mma's tokens
         with pytest.raises(ValueError, match="few-rows build"):
             matmul_kernel.MatmulVariant("bf16", "nf4", bad[0], bad[1], True)
+
+
+def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the_pair_table_kernel():
+    """Where a launch is mostly its fixed cost (kernels/NOTES.md, "17-32 rows of a small weight as two
+    16-token tiles"): nested weights of at most TWO_TILE_ELEMENTS, 17-32 rows; not plain ones, not
+    larger weights, not other row counts."""
+    small, last = 1024 * 8192, matmul_kernel.TWO_TILE_ELEMENTS
+    for m, nested, elements in itertools.product(range(1, 70), (False, True), (small, last, last + 1, LARGE)):
+        v = matmul_kernel.variant_for("bf16", "nf4", nested, m, elements)
+        two_tiles = nested and 16 < m <= 32 and elements <= last
+        assert v.tokens == (16 if two_tiles else matmul_kernel.token_tile(m)), (m, nested, elements)
+        if two_tiles:
+            assert v.build("sm_90")[0] == matmul_kernel.SOURCE_M8_PAIRS and not v.few_rows
+            assert v in matmul_kernel.all_variants("sm_90") and matmul_kernel.steps_of(8192, v.tokens) == 32
+    # The weights measured on both sides of the line: Gemma-3-27B's k 2048x5376 and Qwen2.5-7B's q 3584x3584.
+    assert 2048 * 5376 <= last < 3584 * 3584
 
 
 @pytest.mark.parametrize(
@@ -325,7 +345,7 @@ def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(c
     hopper_gpu = launcher.device_arch(cuda.index) == "sm_90"
     if not hopper_gpu or torch.cuda.get_device_properties(cuda).multi_processor_count != hopper.SMS:
         for rows, nested in itertools.product((1, *matmul_kernel.TOKEN_TILES), (False, True)):
-            plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows), cuda.index)
+            plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows, LARGE), cuda.index)
             assert hopper_gpu or plan.max_clusters == (), (rows, nested)
         return
     expected = {  # by the rows of a call: its variant (1 row of nested weights: the few-rows build)
@@ -337,7 +357,7 @@ def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(c
         (128, True): (hopper.WIDE128_PER_SM, ()),
     }
     for (rows, nested), (per_sm, clusters) in expected.items():
-        plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows), cuda.index)
+        plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows, LARGE), cuda.index)
         assert (plan.blocks_per_sm, plan.sms, plan.max_clusters) == (per_sm, hopper.SMS, clusters), (rows, nested)
 
 
@@ -607,7 +627,8 @@ FORMATS = list(itertools.product(["nf4", "fp4"], DTYPES, [32, 64, 256], [False, 
 # wide kernel's; K = 384: the pair-table kernel's 16-byte weight loads (K % 128 == 0) ending in a
 # half step; K = 4192: both kernels' partial steps with K % 64 == 32 (a table per 32-k half).
 @pytest.mark.parametrize(("N", "K"), [(48, 320), (48, 384), (200, 4096 + 96)], ids=["48x320", "48x384", "200x4192"])
-@pytest.mark.parametrize("M", [1, 2, 5, 8, 12, 16, 17, 33, 64, 100, 256])  # every build and tile, tails, several tiles
+# Every build and tile, tails, several tiles (17 and 32: two 16-token tiles of these small weights).
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 12, 16, 17, 32, 33, 64, 100, 256])
 def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
@@ -617,9 +638,33 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
     matmul.fused_matmul(A, B.t(), qs, out=out)
-    arithmetic = mr.arithmetic_of(M, nested)
+    arithmetic = mr.arithmetic_of(M, nested, N * K)
     expected = mr.one_hot_weights(arithmetic, B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(out, expected, f"one-hot {arithmetic} {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quant_type", "dtype", "blocksize"), [("nf4", torch.bfloat16, 64), ("fp4", torch.float16, 256)], ids=str
+)
+@pytest.mark.parametrize("M", [17, 32])
+def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_wide_tile(
+    cuda, run_seed, quant_type, dtype, blocksize, M
+):
+    """The other side of ``matmul_kernel.tile_for``'s line (the small weights' side is the one-hot
+    test above): one-hot rows give the dequantization kernel's bits, random rows stay in the bound."""
+    K = 4096 + 96
+    N = matmul_kernel.TWO_TILE_ELEMENTS // K + 1
+    assert matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, True, M, N * K).tokens == 32
+    B, qs, W = _weights(N, K, quant_type, blocksize, True, dtype, run_seed, cuda)
+    A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
+    out = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
+    assert mr.arithmetic_of(M, True, N * K) == "dequantized"
+    expected = mr.one_hot_weights("dequantized", B, qs, W)[:, columns].t().contiguous()
+    assert_bit_exact(out, expected, f"one-hot {quant_type} {dtype} M={M}, {N}x{K}")
+    R = torch.randn(M, K, generator=cases.seeded_generator(run_seed + M, cuda), device=cuda).to(dtype)
+    judged = mr.judge(matmul.fused_matmul(R, B.t(), qs), mr.fused_reference(R, B, qs, W, None, dtype))
+    assert judged.ok, judged
 
 
 # Columns where a one-row call's lanes, blocks and steps meet: both 32-k halves of a block, a 256-k
@@ -646,7 +691,7 @@ def test_one_row_calls_give_the_emulated_bits_at_every_block_and_step_boundary(
         moved = torch.empty(qs.absmax.numel() + code_shift, dtype=qs.absmax.dtype, device=cuda)[code_shift:]
         qs.absmax = moved.copy_(qs.absmax)
         assert qs.absmax.data_ptr() % 2 == 1
-    expected = mr.one_hot_weights(mr.arithmetic_of(1, True), B, qs, W)
+    expected = mr.one_hot_weights(mr.arithmetic_of(1, True, N * K), B, qs, W)
     g = torch.Generator().manual_seed(run_seed)
     columns = [c for c in _ONE_ROW_COLUMNS if c < K] + torch.randint(0, K, (16,), generator=g).tolist()
     for c in columns:
@@ -677,9 +722,11 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     monkeypatch.setattr(matmul_kernel, "WGMMA_TARGETS", {})
     monkeypatch.setattr(matmul_kernel, "_plans", {})
     monkeypatch.setattr(launcher, "_loaded", {})
-    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M)
+    K = 4096 + 96  # a partial last step
+    # At 17-32 rows the wide tile takes nested weights past TWO_TILE_ELEMENTS only (tile_for).
+    N = matmul_kernel.TWO_TILE_ELEMENTS // K + 1 if nested and M <= 32 else 200
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M, N * K)
     assert variant.build(launcher.device_arch(cuda.index))[0] == matmul_kernel.SOURCE_WIDE
-    N, K = 200, 4096 + 96  # a partial last step
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     g = cases.seeded_generator(run_seed + M, cuda)
@@ -687,7 +734,7 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     with host_path.python_path_only():
         one_hot = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
         random_rows = matmul.fused_matmul(R, B.t(), qs)
-    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested), B, qs, W)[:, columns].t().contiguous()
+    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested, N * K), B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(one_hot, expected, f"one-hot, matmul_4bit.cu {quant_type} {dtype} bs{blocksize} M={M}")
     judged = mr.judge(random_rows, mr.fused_reference(R, B, qs, W, None, dtype))
     assert judged.ok, judged
@@ -696,7 +743,7 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
 @pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", True), ("fp4", False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 32, 64, 65, 200, 1024])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_random_rows_stay_in_the_bound_and_no_worse_than_bitsandbytes(
     cuda, bnb, run_seed, quant_type, nested, dtype, M, with_bias
@@ -742,8 +789,8 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
     B, qs, _W = _weights(N, K, "nf4", 64, True, torch.bfloat16, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(torch.bfloat16)
     assert matmul.fused_matmul(A, B.t(), qs) is not None
-    plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", True, M), cuda.index)
-    assert plan.grid(M, N, K, matmul_kernel.token_tile(M)).splits > 1, "the case must split K"
+    variant = matmul_kernel.variant_for("bf16", "nf4", True, M, N * K)
+    assert matmul_kernel.plan(variant, cuda.index).grid(M, N, K, variant.tokens).splits > 1, "the case must split K"
     first = matmul.fused_matmul(A, B.t(), qs)
     for run in range(20):
         assert_bit_exact(matmul.fused_matmul(A, B.t(), qs), first, f"run {run}")
@@ -767,8 +814,9 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     cluster, in split order with the finish kernel's fp32 adds: the same bits as the finish
     (features past N, tokens past M and the bias included). Elsewhere, and for the other tiles, the
     finish adds them."""
-    N, tokens = 330, matmul_kernel.token_tile(M)
-    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], "nf4", True, M)
+    N = 330
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], "nf4", True, M, N * K)
+    tokens = variant.tokens
     plan = matmul_kernel.plan(variant, cuda.index)
     sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)

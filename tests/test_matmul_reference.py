@@ -187,7 +187,11 @@ def test_the_judge_and_the_runtime_agree_on_each_calls_arithmetic():
     runtime cannot pick its own oracle; the runtime's kernel choice must agree with it."""
     from harness.runtime import matmul_kernel
 
-    for rows, nested in itertools.product(range(1, 300), (True, False)):
-        assert matmul_kernel.arithmetic(rows, nested) == mr.arithmetic_of(rows, nested), (rows, nested)
-    assert [mr.arithmetic_of(m, True) for m in (1, 8, 9, 16, 17)] == [*["scaled-sums"] * 4, "dequantized"]
-    assert mr.arithmetic_of(1, False) == "dequantized"
+    line, large = mr.SCALED_SUMS_ELEMENTS, 28672 * 8192
+    for rows, nested, elements in itertools.product(range(1, 300), (True, False), (1, line, line + 1, large)):
+        assert matmul_kernel.arithmetic(rows, nested, elements) == mr.arithmetic_of(rows, nested, elements), (
+            rows, nested, elements,
+        )  # fmt: skip
+    assert [mr.arithmetic_of(m, True, large) for m in (1, 8, 9, 16, 17)] == [*["scaled-sums"] * 4, "dequantized"]
+    assert [mr.arithmetic_of(m, True, line) for m in (16, 17, 32, 33)] == [*["scaled-sums"] * 3, "dequantized"]
+    assert mr.arithmetic_of(1, False, line) == mr.arithmetic_of(17, False, line) == "dequantized"

@@ -172,8 +172,9 @@ def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
     largest = matmul_kernel.TOKEN_TILES[-1]
     timed = set()
     for c in (c for c in cases if c.tokens <= largest):
-        variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens)
-        picked = matmul_kernel.pick_plan(variant, 0, c.tokens, *c.weight.shape, plan_of)
+        N, K = c.weight.shape
+        variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens, N * K)
+        picked = matmul_kernel.pick_plan(variant, 0, c.tokens, N, K, plan_of)
         timed.add(dataclasses.replace(variant, warps=picked.warps))  # the build whose plan the call took
     builds = {v for v in matmul_kernel.all_variants(arch) if (v.dtype, v.quant_type) == ("bf16", "nf4")}
     assert timed == builds, sorted(v.name for v in builds - timed)

@@ -100,7 +100,7 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
     GPU that holds three blocks."""
     seen = set()
     for (M, N, K), rule in itertools.product(op_checks.matmul.SANITIZE_SHAPES, RULES):
-        tokens = matmul_kernel.token_tile(M)
+        tokens = matmul_kernel.tile_for(M, rule == matmul_kernel.WAVES, N * K)  # the pair-table kernel's: nested
         grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms, rule=rule)
         partial_step = K % matmul_kernel.step_k(tokens) != 0
         m8 = tokens in matmul_kernel.DECODE_TILES  # else a wide tile (matmul_4bit.cu, or matmul_4bit_sm90.cu on Hopper)
@@ -125,7 +125,7 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     for rule in RULES:  # the pair-table (nested) and register-table (plain) 8-token kernels' rules
         ways = set()
         for M, N, K in op_checks.matmul.SANITIZE_SHAPES:
-            tokens = matmul_kernel.token_tile(M)
+            tokens = matmul_kernel.tile_for(M, rule == matmul_kernel.WAVES, N * K)
             per_sm, clusters = plans.get(tokens, (4, ()))
             grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters, rule=rule)
             ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))

@@ -192,14 +192,16 @@ def reference_weights(
 
 # The judge's own statement of which arithmetic a fused call runs, not read from the runtime it
 # judges (a candidate's kernels are imported from its tree): nested weights at up to this many rows
-# take scaled sums. tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic``
-# to it, so a change of arithmetic lands in the judge first.
-SCALED_SUMS_ROWS = 16
+# take scaled sums, and at up to twice as many where the weight holds at most SCALED_SUMS_ELEMENTS.
+# tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic`` to it, so a change
+# of arithmetic lands in the judge first.
+SCALED_SUMS_ROWS, SCALED_SUMS_ELEMENTS = 16, 12 << 20
 
 
-def arithmetic_of(rows: int, nested: bool) -> str:
-    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight."""
-    return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS else "dequantized"
+def arithmetic_of(rows: int, nested: bool, elements: int) -> str:
+    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight of ``elements`` (N * K)."""
+    small = elements <= SCALED_SUMS_ELEMENTS
+    return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS * (2 if small else 1) else "dequantized"
 
 
 def fused_reference(
@@ -217,7 +219,7 @@ def fused_references(
     """``fused_reference`` of each of ``As``, activations of one shape and dtype: the reference
     weights formed once."""
     rows = As[0].numel() // As[0].shape[-1] if As[0].shape[-1] else 0
-    arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None)
+    arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None, dequantized.numel())
     weights, weight_error = reference_weights(arithmetic, packed, quant_state, dequantized, As[0].dtype)
     return [reference(A, weights, bias, out_dtype, weight_error) for A in As]
 

@@ -182,7 +182,7 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
     out = []
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
-        variant = matmul_kernel.variant_for("bf16", "nf4", True, M)
+        variant = matmul_kernel.variant_for("bf16", "nf4", True, M, N * K)
         plans = [matmul_kernel.plan(variant, device.index)]
         if plans[0].alternative:  # the rules pick between the two builds: both are timed
             plans.append(matmul_kernel.plan(plans[0].alternative, device.index))

@@ -151,8 +151,9 @@ def decide(A, B, fields: tuple, nested: dict, bias, max_rows: int | None, plan_o
         return None
     call = dequantize.check_call(B, *fields[:4], A.dtype, **nested)
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    p = matmul_kernel.pick_plan(_variant(A, call.quant_type, call.nested, M), A.device.index, M, N, K, plan_of)
-    return Decision(call, p, p.grid(M, N, K, matmul_kernel.token_tile(M)))
+    variant = _variant(A, call.quant_type, call.nested, M, N * K)
+    p = matmul_kernel.pick_plan(variant, A.device.index, M, N, K, plan_of)
+    return Decision(call, p, p.grid(M, N, K, variant.tokens))
 
 
 def takes(A, B, fields: tuple, bias=None, max_rows: int | None = None) -> bool:
@@ -215,8 +216,10 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
     )
 
 
-def _variant(A: torch.Tensor, quant_type: str, nested: bool, M: int, warps: int = 0) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, warps)
+def _variant(
+    A: torch.Tensor, quant_type: str, nested: bool, M: int, elements: int, warps: int = 0
+) -> matmul_kernel.MatmulVariant:
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps)
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0) -> torch.Tensor:
@@ -230,7 +233,7 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int
         _fail("the fused kernel does not take this call (see matmul.takes)")
     call = decided.weight
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    variant = _variant(A, call.quant_type, call.nested, M, warps)
+    variant = _variant(A, call.quant_type, call.nested, M, N * K, warps)
     if not variant.builds_on(launcher.device_arch(A.device.index)):
         raise ValueError(f"{variant.name} is not built for this GPU")
     p = matmul_kernel.plan(variant, A.device.index)

@@ -31,6 +31,16 @@ SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_p
 # pair-table kernel took the gate weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192
 # from 36 to 30 (H100; at 32 tokens it was slower than the wide kernel: kernels/NOTES.md).
 DECODE_TILES = (8, 16)
+# At 17-32 rows a weight with nested scales of at most this many elements (N * K) runs as two of the
+# pair-table kernel's 16-token tiles, each decoding the weights again, instead of one 32-token tile of
+# the wide kernel: there a launch is mostly its fixed cost, which the pair-table kernel's grids keep
+# lower. Side by side on an H200 (GPU-474ea7c0, 17 and 32 rows, each tile's rule grid): the six
+# nested weights of up to 11.0 M elements took 0.66-0.95x the wide tile's time (qwen2.5-7b k
+# 512x3584 11.6 -> 8.1 µs); 12.8-22 M elements 0.91-1.10x; 25-42 M 1.02-1.19x. On an H100 the five
+# k weights and phi-3-mini o took 0.72-0.90x at 32 rows. Plain scales keep the wide tile (their
+# register-table kernel lost 6% on phi-3-mini o 3072x3072; kernels/NOTES.md, "17-32 rows of a small
+# weight as two 16-token tiles").
+TWO_TILE_ELEMENTS = 12 << 20
 # The register-table kernel's (SOURCE_M8: GRID_RULES) grid follows its busiest SM (grid_for) where
 # an SM holds at least this many of its blocks (16 warps), which keep the SM's integer pipe busy;
 # with fewer it follows its waves (WAVE_STEPS), as the pair-table kernel's always does (at this
@@ -260,11 +270,11 @@ def all_variants(arch: str | None = None) -> list[MatmulVariant]:
     return [v for v in every + few + wide if arch is None or v.builds_on(arch)]
 
 
-def variant_for(dtype: str, quant_type: str, nested: bool, m: int, warps: int = 0) -> MatmulVariant:
-    """The variant that multiplies ``m`` rows: the smallest token tile holding them, and for at most
-    ``FEW_ROWS`` rows of a weight with nested scales the few-rows build; ``warps`` a block (0: the
-    tile's WARPS; a call may take its alternative: ``pick_plan``)."""
-    return MatmulVariant(dtype, quant_type, nested, token_tile(m), nested and m <= FEW_ROWS, warps)
+def variant_for(dtype: str, quant_type: str, nested: bool, m: int, elements: int, warps: int = 0) -> MatmulVariant:
+    """The variant that multiplies ``m`` rows of a weight of ``elements`` (N * K): its token tile
+    (``tile_for``), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
+    build; ``warps`` a block (0: the tile's WARPS; a call may take its alternative: ``pick_plan``)."""
+    return MatmulVariant(dtype, quant_type, nested, tile_for(m, nested, elements), nested and m <= FEW_ROWS, warps)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
@@ -303,10 +313,20 @@ def token_tile(m: int) -> int:
     return next((t for t in TOKEN_TILES if m <= t), TOKEN_TILES[-1])
 
 
-def arithmetic(m: int, nested: bool) -> str:
-    """``ARITHMETIC`` of the kernel that multiplies ``m`` tokens of a weight with nested scales or not
-    (the same on every GPU arch: only the wide tiles' source depends on it)."""
-    source = MatmulVariant(DTYPES[0], QUANT_TYPES[0], nested, token_tile(m)).build("sm_80")[0]
+def tile_for(m: int, nested: bool, elements: int) -> int:
+    """The token tile a call of ``m`` rows of a weight of ``elements`` (N * K) runs: the smallest
+    holding them (``token_tile``), but two of the decode kernel's largest for a weight with nested
+    scales of at most ``TWO_TILE_ELEMENTS``."""
+    largest = DECODE_TILES[-1]
+    if nested and largest < m <= 2 * largest and elements <= TWO_TILE_ELEMENTS:
+        return largest
+    return token_tile(m)
+
+
+def arithmetic(m: int, nested: bool, elements: int) -> str:
+    """``ARITHMETIC`` of the kernel that multiplies ``m`` tokens of a weight of ``elements`` with
+    nested scales or not (the same on every GPU arch: only the wide tiles' source depends on it)."""
+    source = MatmulVariant(DTYPES[0], QUANT_TYPES[0], nested, tile_for(m, nested, elements)).build("sm_80")[0]
     return ARITHMETIC.get(source, "dequantized")
 
 
