@@ -50,8 +50,10 @@ def calls(device="cpu") -> Iterator[tuple[str, dict]]:
             f"{quant}-{dtype}-{'nested' if nested else 'plain'}",
             make_call(dtype=dtype, quant_type=quant, nested=nested, device=device),
         )
-    for m in (1, 8, 9, 16, 17, 33, 64, 65, 300):
+    for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 300):
         yield f"rows-{m}", make_call((m,), N=200, K=4096, max_rows=1 << 62, device=device)
+    # 17-32 rows of a small nested weight run two 16-token tiles (matmul_kernel.tile_for); plain, the 32-token one.
+    yield "rows-17-plain", make_call((17,), N=200, K=4096, nested=False, max_rows=1 << 62, device=device)
     yield "rows-3d", make_call((2, 5), device=device)
     yield "K-one-step", make_call(K=32, blocksize=32, device=device)
     yield "blocksize-4096", make_call(K=8192, blocksize=4096, device=device)
