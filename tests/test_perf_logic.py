@@ -6,6 +6,7 @@ summary."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -124,6 +125,27 @@ def test_ambiguous_gets_more_rounds_until_the_cap():
     capped = _judge_one(0.0, 0.2, rounds=policy.SCHEDULE.max_rounds)
     assert capped.verdict is gate.Verdict.AMBIGUOUS and gate.rounds_to_add(capped) == 0
     assert gate.rounds_to_add(_judge_one(0.0, 0.001)) == 0
+
+
+def test_a_case_proven_not_slower_passes_once_its_re_measurements_leave_it_so():
+    """An interval inside +threshold at its upper end but past -threshold at its lower (the o weight
+    at 16 rows, H200 2026-11-28: 0.9966 [0.9898, 1.0035] after 64 rounds) proves what the gate asks,
+    no slowdown past the threshold: a pass once more rounds made it neither SAME nor FASTER. The
+    mirror image, an interval reaching past +threshold, stays AMBIGUOUS: undecided, red."""
+    faster_maybe = _judge_one(-0.005, 0.005)
+    low, high = faster_maybe.interval
+    assert faster_maybe.verdict is gate.Verdict.NOT_SLOWER and low < 1 / 1.01 and high <= 1.01
+    assert gate.rounds_to_add(faster_maybe) == 8  # first re-measured, as AMBIGUOUS is
+    capped = _judge_one(-0.005, 0.015, rounds=policy.SCHEDULE.max_rounds)
+    assert capped.verdict is gate.Verdict.NOT_SLOWER and gate.rounds_to_add(capped) == 0
+    assert gate.exit_status({"a": capped}) == gate.EXIT_OK
+    slower_maybe = _judge_one(0.005, 0.015, rounds=policy.SCHEDULE.max_rounds)
+    assert slower_maybe.verdict is gate.Verdict.AMBIGUOUS
+    assert gate.exit_status({"a": capped, "b": slower_maybe}) == gate.EXIT_UNDECIDED
+    # A slowdown past the threshold never reads as proven not slower, whatever the noise.
+    for seed, (slowdown, noise) in itertools.product(range(100), [(0.012, 0.002), (0.02, 0.005), (0.05, 0.03)]):
+        verdict = _judge_one(slowdown, noise, seed=seed).verdict
+        assert verdict not in (gate.Verdict.NOT_SLOWER, gate.Verdict.SAME, gate.Verdict.FASTER), (seed, slowdown)
 
 
 def test_exit_status_says_which_kind_of_red():

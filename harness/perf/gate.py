@@ -6,10 +6,13 @@ Per case (``policy`` holds the numbers):
                above the case's size-class threshold
     FASTER     the same, the other way
     SAME       the per-case interval of the ratio lies inside +-threshold: proven unchanged
+    NOT_SLOWER the interval's upper end lies inside +threshold, its lower end past -threshold:
+               proven not slower (a non-inferiority test), maybe faster by less than is proven.
+               Re-measured as AMBIGUOUS is, in case more rounds make it SAME or FASTER
     AMBIGUOUS  none of these: the data cannot tell yet. Re-measured with more rounds; what is
                still AMBIGUOUS after ``Schedule.max_rounds`` stays so
 
-Per session, the exit status: 0 when every gated case is SAME or FASTER and the drift guard
+Per session, the exit status: 0 when every gated case is SAME, NOT_SLOWER or FASTER and the drift guard
 passed; ``EXIT_JUDGE_CHANGED`` when the judge's or the base's files changed while the session ran
 (``tree_guard``: nothing measured can be trusted then); ``EXIT_ERROR`` when a case could not be
 measured at all; ``EXIT_OUTPUT_DIFFERS`` when an output is not what its case demands: the base's
@@ -41,6 +44,7 @@ class Verdict(enum.Enum):
     SLOWER = "SLOWER"
     FASTER = "FASTER"
     SAME = "SAME"
+    NOT_SLOWER = "NOT_SLOWER"
     AMBIGUOUS = "AMBIGUOUS"
 
     def __str__(self) -> str:
@@ -76,6 +80,8 @@ def judge(evidence: Mapping[str, tuple[PairedRatio, policy.SizeClass]]) -> dict[
             verdict = Verdict.FASTER
         elif low > 0 and -band <= math.log(low) and math.log(high) <= band:
             verdict = Verdict.SAME
+        elif math.log(high) <= band:  # what a regression gate must know; a speedup it need not prove
+            verdict = Verdict.NOT_SLOWER
         else:
             verdict = Verdict.AMBIGUOUS
         out[case] = Judgement(case, cls, paired, adjusted[case], (low, high), verdict)
@@ -83,8 +89,8 @@ def judge(evidence: Mapping[str, tuple[PairedRatio, policy.SizeClass]]) -> dict[
 
 
 def rounds_to_add(judgement: Judgement, schedule: policy.Schedule = policy.SCHEDULE) -> int:
-    """How many more rounds an AMBIGUOUS case gets (0 when it is decided or out of rounds)."""
-    if judgement.verdict is not Verdict.AMBIGUOUS:
+    """How many more rounds an AMBIGUOUS or NOT_SLOWER case gets (0 when it is decided or out of rounds)."""
+    if judgement.verdict not in (Verdict.AMBIGUOUS, Verdict.NOT_SLOWER):
         return 0
     have = judgement.paired.rounds
     return max(0, min(have * (schedule.remeasure_factor - 1), schedule.max_rounds - have))

@@ -174,7 +174,7 @@ def header_lines(session, drift_line: str, status: int) -> list[str]:
 
 
 STATUS_LINES = {
-    gate.EXIT_OK: "gate: PASS (every gated case SAME or FASTER, no drift past the stored baseline)",
+    gate.EXIT_OK: "gate: PASS (every gated case SAME, NOT_SLOWER or FASTER, no drift past the stored baseline)",
     gate.EXIT_REGRESSION: "gate: FAIL, regression (a case SLOWER than the base, or drifted past the stored baseline)",
     gate.EXIT_ERROR: "gate: FAIL, some cases could not be measured (see the failures above)",
     gate.EXIT_OUTPUT_DIFFERS: (

@@ -417,8 +417,8 @@ class PerfSession:
         return {cid: (r.paired, policy.size_class(r.case.numel)) for cid, r in self.kernel.items()}
 
     def settle(self) -> dict[str, gate.Judgement]:
-        """Judge every kernel case; re-measure the AMBIGUOUS ones with more rounds until each is
-        decided or has ``Schedule.max_rounds``; judge again. A/B sessions only."""
+        """Judge every kernel case; re-measure the AMBIGUOUS and NOT_SLOWER ones with more rounds
+        until each is decided or has ``Schedule.max_rounds``; judge again. A/B sessions only."""
         if not self.ab or not self.kernel:
             return {}
         while True:
