@@ -35,7 +35,7 @@ DECODE_TILES = (8, 16)
 # pair-table kernel's 16-token tiles, each decoding the weights again, instead of one 32-token tile of
 # the wide kernel: there a launch is mostly its fixed cost, which the pair-table kernel's grids keep
 # lower. Side by side on an H200 (GPU-474ea7c0, 17 and 32 rows, each tile's rule grid): the six
-# nested weights of up to 11.0 M elements took 0.66-0.95x the wide tile's time (qwen2.5-7b k
+# nested weights of up to 11.0 M elements took 0.66-0.98x the wide tile's time (qwen2.5-7b k
 # 512x3584 11.6 -> 8.1 µs); 12.8-22 M elements 0.91-1.10x; 25-42 M 1.02-1.19x. On an H100 the five
 # k weights and phi-3-mini o took 0.72-0.90x at 32 rows. Plain scales keep the wide tile (their
 # register-table kernel lost 6% on phi-3-mini o 3072x3072; kernels/NOTES.md, "17-32 rows of a small
