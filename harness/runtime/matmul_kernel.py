@@ -631,8 +631,9 @@ class Plan:
         """Its grid's waves cost (``waves_cost``) times its block's step time (``STEP_TIME``), plus
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
-        price = dataclasses.replace(waves_price(tokens), finish_steps_per_mb=0.0)  # the read is priced below
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms, price) * STEP_TIME.get((tokens, self.warps), 1.0)
+        # No split_mb: the waves price leaves out the partial sums' read, priced once below.
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, waves_price(tokens))
+        steps *= STEP_TIME.get((tokens, self.warps), 1.0)
         return steps + FINISH_STEPS_PER_MB * partial_sums_mb(grid.workspace_elements(M, N))
 
     def runs(self, grid: Grid, M: int, N: int, K: int, tokens: int) -> bool:
