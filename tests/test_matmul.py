@@ -34,6 +34,13 @@ WIDE = WAVES
 # calls take the smallest token tile that holds them.
 LARGE = 28672 * 8192
 
+
+def features_past_two_tiles(K: int) -> int:
+    """The fewest features of a weight with K columns past ``matmul_kernel.TWO_TILE_ELEMENTS``: its
+    17-32-row calls take the wide 32-token tile."""
+    return matmul_kernel.TWO_TILE_ELEMENTS // K + 1
+
+
 # Rows every GPU fuses, whatever the weight: the smallest entry of any crossover table.
 FUSED_EVERYWHERE = min(most for table in (*CROSSOVER_M.values(), DEFAULT_CROSSOVER_M) for _, most in table)
 
@@ -654,7 +661,7 @@ def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_wide_ti
     """The other side of ``matmul_kernel.tile_for``'s line (the small weights' side is the one-hot
     test above): one-hot rows give the dequantization kernel's bits, random rows stay in the bound."""
     K = 4096 + 96
-    N = matmul_kernel.TWO_TILE_ELEMENTS // K + 1
+    N = features_past_two_tiles(K)
     assert matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, True, M, N * K).tokens == 32
     B, qs, W = _weights(N, K, quant_type, blocksize, True, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
@@ -723,8 +730,8 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     monkeypatch.setattr(matmul_kernel, "_plans", {})
     monkeypatch.setattr(launcher, "_loaded", {})
     K = 4096 + 96  # a partial last step
-    # At 17-32 rows the wide tile takes nested weights past TWO_TILE_ELEMENTS only (tile_for).
-    N = matmul_kernel.TWO_TILE_ELEMENTS // K + 1 if nested and M <= 32 else 200
+    # A small nested weight would run 17-32 rows as two 16-token tiles, not on this kernel.
+    N = features_past_two_tiles(K) if nested and M <= 32 else 200
     variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M, N * K)
     assert variant.build(launcher.device_arch(cuda.index))[0] == matmul_kernel.SOURCE_WIDE
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
