@@ -16,6 +16,7 @@ from harness.correctness import cases
 from harness.perf import grid_sweep
 from harness.runtime import matmul
 from harness.runtime import matmul_kernel as mk
+from tests import hopper_plans as hopper
 
 # The H100's view of the 8-token kernel (4 blocks an SM, clusters of up to 16 splits) and of a GPU
 # without clusters; the kernels themselves are never loaded.
@@ -146,8 +147,6 @@ def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
     """A 128-row case on a Hopper plan that recorded the alternative build's plan too: the rules pick
     between the builds (``pick_plan``) and name the alternative's grids ``w12 ...``; a case without
     it (recorded before the second build) replays the first build only."""
-    from tests import hopper_plans as hopper
-
     M, N, K = 128, 21504, 5376
     first, wide = hopper.wide128_plans().values()
     assert mk.cheapest((first, wide), M, N, K, 128) is wide  # 112 groups against 168 on 132 SMs
@@ -161,6 +160,56 @@ def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
     row = grid_sweep.case_row(both, 0.05)
     assert row["rules' grid"] == name and row["fastest grid"] == name and row["ok"]
     assert grid_sweep.case_row(case | {"µs by grid": {default: 123.0}}, 0.05)["rules' grid"] == default
+
+
+# The two tiles of a 17-32-row call on an H100 or H200, as the sweep records them: the pair-table
+# kernel at 16 tokens and the Hopper kernel at 32 (5 blocks an SM, no cluster epilogue).
+PAIRS16 = mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)
+WIDE32 = mk.Plan(None, None, 128, 5, hopper.SMS, (), mk.WAVES)
+
+
+def _two_tile_case(M: int, N: int, K: int, us16: float, us32: float) -> dict:
+    """A 17-32-row case that timed both tiles' rule grids and one other grid of each."""
+    tiles = [{"tokens": 16, "kernel": mk.SOURCE_M8_PAIRS, "plan": grid_sweep.plan_inputs(PAIRS16)},
+             {"tokens": 32, "kernel": mk.SOURCE_SM90, "plan": grid_sweep.plan_inputs(WIDE32)}]  # fmt: skip
+    ours = mk.tile_for(M, True, N * K)
+    times = {
+        grid_sweep.grid_name(PAIRS16.grid(M, N, K, 16), tokens=16, tiled=True): us16,
+        grid_sweep.grid_name(WIDE32.grid(M, N, K, 32), tokens=32, tiled=True): us32,
+        "m16 1 x 1000": 10 * us16,
+        "m32 1 x 1000": 10 * us32,
+    }
+    first = tiles[0] if ours == 16 else tiles[1]
+    return {"layer": f"w {N}x{K}", "M": M, "N": N, "K": K} | first | {"tiles": tiles, "µs by grid": times,
+                                                                       "all in bound": True}  # fmt: skip
+
+
+def test_17_to_32_rows_time_every_tile_the_call_may_run_the_rules_tile_first():
+    assert [v.tokens for v in grid_sweep.tile_variants(32, 1024, 8192)] == [16, 32]
+    assert [v.tokens for v in grid_sweep.tile_variants(17, 28672, 8192)] == [32, 16]
+    assert [v.tokens for v in grid_sweep.tile_variants(16, 1024, 8192)] == [16]
+    assert [v.tokens for v in grid_sweep.tile_variants(33, 1024, 8192)] == [64]
+    assert grid_sweep.grid_name(mk.Grid((16, 2, 2), 16, True), tokens=16, tiled=True) == "m16 2c x 16"
+
+
+@pytest.mark.parametrize(("N", "K", "tile"), [(1024, 8192, 16), (3584, 3584, 32), (28672, 8192, 32)])
+def test_a_replay_of_two_tiles_judges_the_rule_that_picks_the_tile_as_well_as_the_grid(N, K, tile):
+    """The rules' grid is taken from the tile ``tile_for`` gives the weight and judged against the
+    fastest grid of either tile: where the other tile was faster, the case shows it."""
+    fast_own = _two_tile_case(32, N, K, 10.0 if tile == 16 else 12.0, 12.0 if tile == 16 else 10.0)
+    row = grid_sweep.case_row(fast_own, 0.05)
+    assert row["rules' grid"].startswith(f"m{tile} ") and row["rules' grid"] == row["fastest grid"] and row["ok"]
+    fast_other = _two_tile_case(32, N, K, 12.0 if tile == 16 else 10.0, 10.0 if tile == 16 else 12.0)
+    row = grid_sweep.case_row(fast_other, 0.05)
+    assert row["rules' grid"].startswith(f"m{tile} ") and not row["fastest grid"].startswith(f"m{tile} ")
+    assert row["rules ÷ fastest"] == pytest.approx(1.2) and not row["ok"]
+
+
+def test_the_cost_lines_take_each_tiles_fastest_grid_under_its_own_kernel():
+    recorded = [_two_tile_case(32, N, 8192, 5.0 + N / 1e3, 7.0 + N / 1e3) for N in (1024, 4096, 8192)]
+    lines = {line["kernel"]: line for line in grid_sweep.cost_lines(recorded)}
+    assert set(lines) == {mk.SOURCE_M8_PAIRS, mk.SOURCE_SM90}
+    assert lines[mk.SOURCE_SM90]["fixed µs"] - lines[mk.SOURCE_M8_PAIRS]["fixed µs"] == pytest.approx(2.0)
 
 
 RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid-sweep-*.json"))
@@ -214,14 +263,20 @@ def test_a_shape_argument_names_a_weight_by_its_features_and_k():
 
 @pytest.mark.gpu
 def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as_judged(cuda, tmp_path):
-    args = ["--shape=small=1024x4096", "--rows=1,64", "--geomean-tolerance=10"]
+    args = ["--shape=small=1024x4096", "--rows=1,32,64", "--geomean-tolerance=10"]
     status = grid_sweep.main([f"--out={tmp_path / 'run'}", *args])
     result = json.loads((tmp_path / "run" / "grid-sweep.json").read_text())
-    assert [case["M"] for case in result["cases"]] == [1, 64]
+    assert [case["M"] for case in result["cases"]] == [1, 32, 64]
     for case in result["cases"]:
         plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"], case["N"] * case["K"]), cuda.index)
         assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
         assert len(case["µs by grid"]) > 2 and grid_sweep.rules_choice(case) in case["µs by grid"]
+    # 32 rows: every grid of both tiles, each named by its tile; the rules' tile (16: a small weight) first.
+    tiles = result["cases"][1]["tiles"]
+    assert [t["tokens"] for t in tiles] == [16, 32] and result["cases"][1]["tokens"] == 16
+    names = result["cases"][1]["µs by grid"]
+    assert {n.split()[0] for n in names} == {"m16", "m32"}
+    assert grid_sweep.rules_choice(result["cases"][1]).startswith("m16 ")
     assert status == 0 and result["summary"]["cases out of bound"] == 0
     replayed = tmp_path / "replay"
     assert grid_sweep.main([f"--out={replayed}", f"--replay={tmp_path / 'run' / 'grid-sweep.json'}", *args[2:]]) == 0
@@ -234,6 +289,8 @@ def test_a_grid_the_kernel_cannot_run_is_refused_before_any_launch(cuda):
     x = torch.randn(1, 4096, device=cuda, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not run"):
         matmul.fused_matmul_on_grid(x, B.t(), qs, mk.Grid((16, 3, 1), 2, False))  # 16 steps, 6 covered
+    with pytest.raises(ValueError, match="does not run the 32-token tile"):  # one row: only the 8-token tile
+        matmul.fused_matmul_on_grid(x, B.t(), qs, mk.Grid((16, 1, 1), 32, False), tokens=32)
     plan = mk.plan(mk.variant_for("bf16", "nf4", True, 1, 1024 * 4096), cuda.index)
     grid = plan.grid(1, 1024, 4096, 8)
     assert torch.equal(matmul.fused_matmul_on_grid(x, B.t(), qs, grid), matmul.fused_matmul(x, B.t(), qs))

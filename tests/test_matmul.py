@@ -89,6 +89,18 @@ def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the
     assert 2048 * 5376 <= last < 3584 * 3584
 
 
+def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_have_two():
+    """``tile_choices`` lists what ``tile_for`` may give a call whatever the weight's size (the grid
+    sweep times each): two tiles for 17-32 rows of a nested weight, the smaller first; one elsewhere."""
+    last = matmul_kernel.TWO_TILE_ELEMENTS
+    for m, nested in itertools.product(range(1, 300), (False, True)):
+        choices = matmul_kernel.tile_choices(m, nested)
+        assert len(choices) == (2 if nested and 16 < m <= 32 else 1), (m, nested)
+        assert choices == tuple(sorted(set(choices))) and choices[-1] == matmul_kernel.token_tile(m)
+        picked = {matmul_kernel.tile_for(m, nested, e) for e in (1, last, last + 1, LARGE)}
+        assert picked == set(choices), (m, nested)
+
+
 @pytest.mark.parametrize(
     ("M", "N", "K"),
     [(1, 28672, 8192), (16, 28672, 8192), (1, 8192, 8192), (1, 1024, 8192), (64, 8192, 8192), (8, 48, 96)],

@@ -6,6 +6,9 @@ added inside a thread block cluster) were fit to H100 measurements of a few mode
 grid against every other grid the kernel runs (K in 1 to ``MAX_SPLITS`` splits, each finished or,
 where the GPU holds such clusters, clustered), GPU time with a cold L2, and judges every grid's
 output against the fp64 reference: a grid the rules never pick must still compute the right result.
+Where a call may run more than one token tile (``matmul_kernel.tile_choices``: 17-32 rows, two
+16-token tiles or one of 32, by the weight's size), every grid of each tile is timed, so a replay
+judges the rule that picks the tile (``tile_for``) as well as the grid's.
 
     python -m harness.perf.grid_sweep --out DIR [--weights catalog|held-out|all | --shape NAME=NxK ...]
                                       [--rows 1,8,64] [--tolerance 0.05] [--geomean-tolerance 0.05]
@@ -38,7 +41,8 @@ from harness.correctness.op_checks import matmul as matmul_checks
 from harness.perf import gpu_info, gpu_timer
 from harness.runtime import launcher, matmul, matmul_kernel
 
-ROWS = (1, 8, 16, 64, 128)  # the decode kernels at one and two token tiles, the wide 64- and 128-token tiles
+# The decode kernels at one and two token tiles; both tiles of 32 rows; the wide 64- and 128-token tiles.
+ROWS = (1, 8, 16, 32, 64, 128)
 TOLERANCE = 0.05  # a case's row is ok where the rules' grid is at most this much slower than the fastest
 # The exit status: the rules' grids together (geometric mean of rules ÷ fastest) may take this much
 # longer. On the kernels they were fit to they took 1.02-1.03x, with single cases up to 1.49x; on
@@ -66,10 +70,13 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     return grids
 
 
-def grid_name(grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> str:
+def grid_name(grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0, tiled: bool = False) -> str:
     """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f); of a build
-    with other than the token tile's WARPS (``MatmulVariant.alternative``), ``w12 4c x 8``."""
-    build = f"w{warps} " if warps and warps != matmul_kernel.WARPS.get(tokens) else ""
+    with other than the token tile's WARPS (``MatmulVariant.alternative``), ``w12 4c x 8``; in a case
+    that timed several token tiles (``tiled``), the tile first: ``m16 2c x 16``."""
+    build = (f"m{tokens} " if tiled else "") + (
+        f"w{warps} " if warps and warps != matmul_kernel.WARPS.get(tokens) else ""
+    )
     if grid.splits == 1:
         return f"{build}1 x {grid.steps_per_split}"
     return f"{build}{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
@@ -90,14 +97,25 @@ def _replayed(inputs: dict, rule: str) -> matmul_kernel.Plan:
     )
 
 
+def case_tiles(case: dict) -> list[dict]:
+    """The token tiles a recorded case timed, each with its ``tokens``, ``kernel``, ``plan`` (and
+    ``alternative plans``): the case's ``tiles``, or, where it timed one tile, the case itself."""
+    return case.get("tiles", [case])
+
+
 def rules_choice(case: dict) -> str:
-    """The grid (``grid_name``) the rules of this checkout pick for a recorded case: its kernel's
-    grid rule, and between its builds where it recorded the alternative's plan (``pick_plan``)."""
-    rule = matmul_kernel.grid_rule_of(case["kernel"])
-    M, N, K, tokens = case["M"], case["N"], case["K"], case["tokens"]
-    plans = [_replayed(case["plan"], rule)] + [_replayed(p, rule) for p in case.get("alternative plans", [])]
+    """The grid (``grid_name``) the rules of this checkout pick for a recorded case: the token tile
+    ``tile_for`` gives (the sweep's weights have nested scales) where the case timed several, its
+    kernel's grid rule, and between its builds where it recorded the alternative's plan
+    (``pick_plan``)."""
+    M, N, K = case["M"], case["N"], case["K"]
+    tiles = case_tiles(case)
+    tokens = matmul_kernel.tile_for(M, True, N * K) if len(tiles) > 1 else case["tokens"]
+    tile = next(t for t in tiles if t["tokens"] == tokens)
+    rule = matmul_kernel.grid_rule_of(tile["kernel"])
+    plans = [_replayed(tile["plan"], rule)] + [_replayed(p, rule) for p in tile.get("alternative plans", [])]
     chosen = matmul_kernel.cheapest(plans, M, N, K, tokens)
-    return grid_name(chosen.grid(M, N, K, tokens), chosen.warps, tokens)
+    return grid_name(chosen.grid(M, N, K, tokens), chosen.warps, tokens, len(tiles) > 1)
 
 
 def case_row(case: dict, tolerance: float) -> dict:
@@ -144,8 +162,11 @@ def cost_lines(recorded_cases: list[dict]) -> list[dict]:
     cost plus a streaming rate")."""
     groups: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for case in recorded_cases:
-        point = (matmul_checks.matmul_bytes(case["N"], case["K"], case["M"]), min(case["µs by grid"].values()))
-        groups.setdefault((case["kernel"], case["M"]), []).append(point)
+        nbytes, tiles = matmul_checks.matmul_bytes(case["N"], case["K"], case["M"]), case_tiles(case)
+        for tile in tiles:
+            prefix = f"m{tile['tokens']} " if len(tiles) > 1 else ""
+            fastest = min(us for name, us in case["µs by grid"].items() if name.startswith(prefix))
+            groups.setdefault((tile["kernel"], case["M"]), []).append((nbytes, fastest))
     lines = []
     for (kernel, rows), points in sorted(groups.items()):
         if len(points) < 3:
@@ -161,20 +182,37 @@ def cost_lines(recorded_cases: list[dict]) -> list[dict]:
 
 
 def time_grids(
-    timer: gpu_timer.ColdL2Timer, x, B, qs, reference: mr.Reference, grids, tokens: int, warps: int = 0
+    timer: gpu_timer.ColdL2Timer,
+    x,
+    B,
+    qs,
+    reference: mr.Reference,
+    grids,
+    tokens: int,
+    warps: int = 0,
+    tiled: bool = False,
 ) -> tuple[dict, bool]:
     """({grid name: GPU µs}, every grid's output in bound) for one call on ``grids`` of the build of
-    ``tokens`` a tile with ``warps`` a block (0: the token tile's WARPS)."""
+    ``tokens`` a tile with ``warps`` a block (0: the token tile's WARPS); ``tiled``: the case times
+    several tiles (``grid_name``)."""
     times, in_bound = {}, True
     with torch.no_grad():
         for grid in grids:
 
             def run(grid=grid):
-                return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps)
+                return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps, tokens)
 
             in_bound &= mr.judge(run(), reference).ok
-            times[grid_name(grid, warps, tokens)] = timer.measure(run).median_s * 1e6
+            times[grid_name(grid, warps, tokens, tiled)] = timer.measure(run).median_s * 1e6
     return times, in_bound
+
+
+def tile_variants(M: int, N: int, K: int) -> list[matmul_kernel.MatmulVariant]:
+    """The builds a sweep times for a call of ``M`` rows of an N x K weight (nested nf4, bf16): the
+    rules' variant first, then one of each other token tile the call may run (``tile_choices``)."""
+    chosen = matmul_kernel.variant_for("bf16", "nf4", True, M, N * K)
+    others = [t for t in matmul_kernel.tile_choices(M, True) if t != chosen.tokens]
+    return [chosen] + [matmul_kernel.MatmulVariant("bf16", "nf4", True, t) for t in others]
 
 
 def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str, tuple[int, int]], rows) -> list[dict]:
@@ -182,22 +220,23 @@ def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str,
     out = []
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
-        variant = matmul_kernel.variant_for("bf16", "nf4", True, M, N * K)
-        plans = [matmul_kernel.plan(variant, device.index)]
-        if plans[0].alternative:  # the rules pick between the two builds: both are timed
-            plans.append(matmul_kernel.plan(plans[0].alternative, device.index))
         reference = mr.fused_reference(x, B, qs, W, None, torch.bfloat16)
-        times, in_bound = {}, True
-        for p in plans:
-            timed, ok = time_grids(
-                timer, x, B, qs, reference, candidate_grids(p, M, N, K, variant.tokens), variant.tokens, p.warps
-            )
-            times, in_bound = times | timed, in_bound and ok
-        kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
-        case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K, "tokens": variant.tokens, "kernel": kernel}
-        case["plan"] = plan_inputs(plans[0])
-        if plans[1:]:
-            case["alternative plans"] = [plan_inputs(p) for p in plans[1:]]
+        variants = tile_variants(M, N, K)
+        times, in_bound, tiles = {}, True, []
+        for variant in variants:
+            plans = [matmul_kernel.plan(variant, device.index)]
+            if plans[0].alternative:  # the rules pick between the two builds: both are timed
+                plans.append(matmul_kernel.plan(plans[0].alternative, device.index))
+            for p in plans:
+                grids = candidate_grids(p, M, N, K, variant.tokens)
+                timed, ok = time_grids(timer, x, B, qs, reference, grids, variant.tokens, p.warps, len(variants) > 1)
+                times, in_bound = times | timed, in_bound and ok
+            kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
+            tile = {"tokens": variant.tokens, "kernel": kernel, "plan": plan_inputs(plans[0])}
+            tiles.append(tile | ({"alternative plans": [plan_inputs(p) for p in plans[1:]]} if plans[1:] else {}))
+        case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K} | tiles[0]  # the rules' tile
+        if len(tiles) > 1:
+            case["tiles"] = tiles
         out.append(case | {"µs by grid": times, "all in bound": in_bound})
         print(json.dumps(out[-1]), flush=True)
     return out

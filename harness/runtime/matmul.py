@@ -222,11 +222,12 @@ def _variant(
     return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps)
 
 
-def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0) -> torch.Tensor:
+def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> torch.Tensor:
     """``fused_matmul`` through the Python path on ``grid`` of the build with ``warps`` a block (0:
-    the token tile's WARPS) instead of what the rules pick (``harness.perf.grid_sweep`` times every
-    grid of every build). Raises ValueError for a build or grid the kernel cannot run on this call
-    and GPU (``MatmulVariant.builds_on``, ``matmul_kernel.Plan.runs``)."""
+    the token tile's WARPS) and ``tokens`` a tile (0: the rules' tile; else one of the call's
+    ``matmul_kernel.tile_choices``) instead of what the rules pick (``harness.perf.grid_sweep`` times
+    every grid of every build and tile). Raises ValueError for a tile, build or grid the kernel
+    cannot run on this call and GPU (``MatmulVariant.builds_on``, ``matmul_kernel.Plan.runs``)."""
     fields, nested = dequantize.quant_state_args(quant_state)
     decided = decide(A, B, fields, nested, None, _ANY_ROWS, matmul_kernel.plan)
     if decided is None:
@@ -234,6 +235,10 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int
     call = decided.weight
     (N, K), M = call.shape, A.numel() // call.shape[1]
     variant = _variant(A, call.quant_type, call.nested, M, N * K, warps)
+    if tokens and tokens != variant.tokens:
+        if tokens not in matmul_kernel.tile_choices(M, call.nested):
+            raise ValueError(f"a call of {M} rows does not run the {tokens}-token tile")
+        variant = matmul_kernel.MatmulVariant(variant.dtype, variant.quant_type, variant.nested, tokens, warps=warps)
     if not variant.builds_on(launcher.device_arch(A.device.index)):
         raise ValueError(f"{variant.name} is not built for this GPU")
     p = matmul_kernel.plan(variant, A.device.index)

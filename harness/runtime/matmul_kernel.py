@@ -313,14 +313,21 @@ def token_tile(m: int) -> int:
     return next((t for t in TOKEN_TILES if m <= t), TOKEN_TILES[-1])
 
 
-def tile_for(m: int, nested: bool, elements: int) -> int:
-    """The token tile a call of ``m`` rows of a weight of ``elements`` (N * K) runs: the smallest
-    holding them (``token_tile``), but two of the decode kernel's largest for a weight with nested
-    scales of at most ``TWO_TILE_ELEMENTS``."""
+def tile_choices(m: int, nested: bool) -> tuple[int, ...]:
+    """The token tiles a call of ``m`` rows may run, whatever the weight's size (``tile_for`` picks by
+    it): for 17-32 rows of a weight with nested scales two of the decode kernel's largest or the
+    smallest tile holding them; else only that one (``token_tile``)."""
     largest = DECODE_TILES[-1]
-    if nested and largest < m <= 2 * largest and elements <= TWO_TILE_ELEMENTS:
-        return largest
-    return token_tile(m)
+    if nested and largest < m <= 2 * largest:
+        return largest, token_tile(m)
+    return (token_tile(m),)
+
+
+def tile_for(m: int, nested: bool, elements: int) -> int:
+    """The token tile a call of ``m`` rows of a weight of ``elements`` (N * K) runs: of its
+    ``tile_choices``, the first for a weight of at most ``TWO_TILE_ELEMENTS``, else the last."""
+    choices = tile_choices(m, nested)
+    return choices[0] if elements <= TWO_TILE_ELEMENTS else choices[-1]
 
 
 def arithmetic(m: int, nested: bool, elements: int) -> str:
