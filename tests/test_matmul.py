@@ -89,6 +89,18 @@ def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the
     assert 2048 * 5376 <= last < 3584 * 3584
 
 
+def test_every_token_tile_has_a_grid_rule_and_the_32_token_tile_splits_the_large_gate_weights():
+    """The decode tiles follow their rules, the wider ones the waves rule (``grid_for`` has no other
+    branch). On an H100 or H200 (5 blocks of the Hopper 32-token tile an SM, no cluster epilogue) the
+    gate weights at 32 rows run in finished splits, as the H200 sweep measured fastest (28672x8192:
+    4 of 16 steps 112 µs, unsplit 122), and 4096x4096 in 8, not the finished pair (1.35x)."""
+    assert set(matmul_kernel.TOKEN_TILES) == set(matmul_kernel.DECODE_TILES) | set(matmul_kernel.WAVES_WIDE_TILES)
+    grid = matmul_kernel.grid_for(32, 28672, 8192, 32, 5, 132, (), rule=matmul_kernel.WAVES)
+    assert grid.blocks == (448, 4, 1) and grid.steps_per_split == 16 and grid.finished
+    grid = matmul_kernel.grid_for(32, 4096, 4096, 32, 5, 132, (), rule=matmul_kernel.WAVES)
+    assert grid.splits == 8 and grid.steps_per_split == 4
+
+
 def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_have_two():
     """``tile_choices`` lists what ``tile_for`` may give a call whatever the weight's size (the grid
     sweep times each): two tiles for 17-32 rows of a nested weight, the smaller first; one elsewhere."""

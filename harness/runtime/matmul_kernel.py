@@ -123,8 +123,10 @@ class WavesPrice:
 # 1.020x the fastest grid to 1.006x (H100) and 1.026x to 1.013x (H200); the seven weights whose grid
 # moved took 0.934x (H100) and 0.936x (H200) their old time side by side (kernels/NOTES.md, "The
 # 64-token tile's waves priced with a shared SM and the partial sums' bytes"). The 8-token and
-# 128-token tiles keep their fit.
-WAVES_PRICES = {16: WavesPrice(finish_steps=6), 64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8)}
+# 128-token tiles keep their fit. The 32-token tile (5 blocks an SM) takes the 64-token tile's price
+# unrefit: on its 32-row sweep (H200) 1.019x the fastest grid, against 1.021-1.032 for the other
+# prices tried (finish 0-6 steps, 0 or 0.2 a MB, 0-0.8 a shared block; kernels/NOTES.md).
+WAVES_PRICES = {16: WavesPrice(finish_steps=6), **{t: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8) for t in (32, 64)}}
 
 
 def partial_sums_mb(elements: int) -> float:
@@ -381,8 +383,12 @@ PARTIAL_SHARE = 1.0
 # tile (2 blocks an SM) follows it too: under the one-wave rule a gate weight of a few more feature
 # groups than a wave holds took 2 clustered splits where 3 of the waves rule ran 9-11% faster
 # (gemma-3-27b 21504x5376 at 64 rows 78.3 -> 69.4 µs, H100; kernels/NOTES.md, "The 64-token tile
-# on the waves rule").
-WAVES_WIDE_TILES = (64, 128)
+# on the waves rule"). So does the 32-token tile (5 blocks an SM): the one-wave rule ran the large
+# gate weights unsplit (28672x8192 at 32 rows 121.7 µs where 5 finished splits took 110.1, H200);
+# on the waves rule with the 64-token tile's price, replayed on a sweep of every grid of 30 weights
+# at 32 rows (H200), 1.039x the fastest grid -> 1.019x (kernels/NOTES.md, "The 32-token tile on
+# the waves rule").
+WAVES_WIDE_TILES = (32, 64, 128)
 PARTIAL_FLOOR_BYTES = 8 << 20
 # The finish adds a value's splits one after another: more than this many and its latency shows.
 MAX_SPLITS = 16
@@ -435,7 +441,9 @@ MIN_SPLIT_STEPS_M8 = 3
 # picks changed (k 512-1024 features: 1-13% faster on the H100, +2.4% to -12% on the H200;
 # kernels/NOTES.md, "Splits of 2 steps at 128 tokens"). The 64-token tile's run down to 3 (same
 # notes as WAVES_WIDE_TILES: 2 made two small k weights' picks 4-7% slower on both GPUs' sweeps).
-MIN_SPLIT_STEPS_WIDE = {64: 3, 128: 2}
+# The 32-token tile's down to 2 as well: on its 32-row sweep 1.019x the fastest grid, 1.023 at 3
+# and 4 steps (worst 1.11 against 1.13; only small weights' picks differ).
+MIN_SPLIT_STEPS_WIDE = {32: 2, 64: 3, 128: 2}
 # Splits start at the fewest that give the GPU this share of the blocks it can hold at once.
 FILL = 0.9
 # Two splits added in a cluster replace a finished grid whose busiest SM runs as many steps, where a
@@ -492,12 +500,11 @@ def grid_for(
     runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
-    The 64- and 128-token tiles (``WAVES_WIDE_TILES``) take the waves rule's grid too, their
-    partial sums allowed ``PARTIAL_FLOOR_BYTES``; under that rule each tile's grids are priced by
-    ``WAVES_PRICES``. The 32-token tile measured slower under the busiest-SM
-    rule (M = 32 in the A/B gate, kernels/NOTES.md), and more splits cost it partial sums M
-    times larger: it takes as many splits as fit beside each other in one wave (a grid just over
-    one wave would run its few extra blocks as a second wave).
+    The wider tiles (``WAVES_WIDE_TILES``) take the waves rule's grid too, their partial sums
+    allowed ``PARTIAL_FLOOR_BYTES``; under that rule each tile's grids are priced by
+    ``WAVES_PRICES``. The pair above is the decode kernels' only: the 32-token tile holds
+    ``BUSIEST_SM_BLOCKS`` or more blocks an SM but no clusters, and a finished pair there gave
+    4096x4096 at 32 rows 1.35x the fastest grid's time (H200 sweep).
     ``warps``: the build's warps a block (0: the tile's WARPS)."""
     groups, tiles, steps = -(-N // features_per_block(tokens, warps)), -(-M // tokens), steps_of(K, tokens)
     partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if tokens in WAVES_WIDE_TILES else 0)
@@ -542,11 +549,9 @@ def grid_for(
         replaceable = not grid.clustered or not clusters_fit(
             units, n, grid.steps_per_split, blocks_per_sm, sms, max_clusters
         )
-        pair_pays = n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and replaceable and pair_no_slower(n)
+        pair_pays = tokens in DECODE_TILES and n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and replaceable
+        pair_pays = pair_pays and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
-    if tokens not in DECODE_TILES:
-        n, per_split = shape(max(1, min(cap, blocks_per_sm * sms // units)))
-        return Grid((groups, n, tiles), per_split, clusters_fit(units, n, per_split, blocks_per_sm, sms, max_clusters))
     fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
     n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
     if pair_fits and n > 2 and pair_no_slower(n):  # before a cluster of more splits: the pair measured faster there
