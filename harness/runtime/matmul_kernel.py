@@ -124,8 +124,8 @@ class WavesPrice:
 # moved took 0.934x (H100) and 0.936x (H200) their old time side by side (kernels/NOTES.md, "The
 # 64-token tile's waves priced with a shared SM and the partial sums' bytes"). The 8-token and
 # 128-token tiles keep their fit. The 32-token tile (5 blocks an SM) takes the 64-token tile's price
-# unrefit: on its 32-row sweep (H200) 1.019x the fastest grid, against 1.021-1.032 for the other
-# prices tried (finish 0-6 steps, 0 or 0.2 a MB, 0-0.8 a shared block; kernels/NOTES.md).
+# unrefit: on its 32-row sweep (H200) 1.019x the fastest grid, as good as the best of 96 prices
+# tried (1.019-1.046: finish 0-6 steps, 0 or 0.2 a MB, 0-0.8 a shared block; kernels/NOTES.md).
 WAVES_PRICES = {16: WavesPrice(finish_steps=6), **{t: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8) for t in (32, 64)}}
 
 
