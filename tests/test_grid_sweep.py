@@ -56,9 +56,9 @@ def test_the_kernel_runs_a_grid_only_where_every_step_lies_in_one_split_and_its_
 def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
     """For every weight the sweeps know and odd shapes besides, at every row count of the decode and
     wide tiles, on the Hopper plans (clusters of up to 16 splits; the waves rule may take up to
-    ``MAX_SPLITS`` clustered splits of one step) and on a GPU without clusters: the rules' grid is one
-    ``Plan.runs`` accepts (every step in one split, none empty, clusters only of sizes held)."""
-    from tests import hopper_plans as hopper
+    ``MAX_SPLITS`` clustered splits of one step) and on a GPU without clusters, at 17-32 rows for both
+    tiles: the rules' grid is one ``Plan.runs`` accepts (every step in one split, none empty,
+    clusters only of sizes held)."""
 
     plans = {
         8: [
@@ -66,15 +66,16 @@ def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
             for rule in (mk.WAVES, mk.BUSIEST_SM)
         ],
         16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
+        32: [mk.Plan(None, None, 128, hopper.WIDE32_PER_SM, hopper.SMS, (), mk.WAVES)],
         64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES)],
         128: list(hopper.wide128_plans().values()),
     }
     shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}
-    for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 33, 64, 65, 128, 300)):
-        tokens = mk.token_tile(M)
-        for plan in [*plans.get(tokens, []), NO_CLUSTERS]:
-            grid = plan.grid(M, N, K, tokens)
-            assert plan.runs(grid, M, N, K, tokens), (N, K, M, plan.rule, grid)
+    for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 300)):
+        for tokens in mk.tile_choices(M, True):  # both tiles at 17-32 rows
+            for plan in [*plans.get(tokens, []), NO_CLUSTERS]:
+                grid = plan.grid(M, N, K, tokens)
+                assert plan.runs(grid, M, N, K, tokens), (N, K, M, tokens, plan.rule, grid)
 
 
 def _case(times: dict, in_bound: bool = True, M: int = 1, N: int = 1024, K: int = 8192) -> dict:
@@ -165,7 +166,7 @@ def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
 # The two tiles of a 17-32-row call on an H100 or H200, as the sweep records them: the pair-table
 # kernel at 16 tokens and the Hopper kernel at 32 (5 blocks an SM, no cluster epilogue).
 PAIRS16 = mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)
-WIDE32 = mk.Plan(None, None, 128, 5, hopper.SMS, (), mk.WAVES)
+WIDE32 = mk.Plan(None, None, 128, hopper.WIDE32_PER_SM, hopper.SMS, (), mk.WAVES)
 
 
 def _two_tile_case(M: int, N: int, K: int, us16: float, us32: float) -> dict:
