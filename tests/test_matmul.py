@@ -111,6 +111,10 @@ def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_h
         assert choices == tuple(sorted(set(choices))) and choices[-1] == matmul_kernel.token_tile(m)
         picked = {matmul_kernel.tile_for(m, nested, e) for e in (1, last, last + 1, LARGE)}
         assert picked == set(choices), (m, nested)
+        for tile in choices:  # a chosen tile (the grid sweep's), the same build as the rules give it
+            assert matmul_kernel.variant_for("bf16", "nf4", nested, m, LARGE, tokens=tile).tokens == tile
+    with pytest.raises(ValueError, match="does not run the 32-token tile"):
+        matmul_kernel.variant_for("bf16", "nf4", True, 1, LARGE, tokens=32)
 
 
 @pytest.mark.parametrize(

@@ -210,9 +210,9 @@ def time_grids(
 def tile_variants(M: int, N: int, K: int) -> list[matmul_kernel.MatmulVariant]:
     """The builds a sweep times for a call of ``M`` rows of an N x K weight (nested nf4, bf16): the
     rules' variant first, then one of each other token tile the call may run (``tile_choices``)."""
-    chosen = matmul_kernel.variant_for("bf16", "nf4", True, M, N * K)
-    others = [t for t in matmul_kernel.tile_choices(M, True) if t != chosen.tokens]
-    return [chosen] + [matmul_kernel.MatmulVariant("bf16", "nf4", True, t) for t in others]
+    chosen = matmul_kernel.tile_for(M, True, N * K)
+    tiles = [chosen] + [t for t in matmul_kernel.tile_choices(M, True) if t != chosen]
+    return [matmul_kernel.variant_for("bf16", "nf4", True, M, N * K, tokens=t) for t in tiles]
 
 
 def sweep(timer: gpu_timer.ColdL2Timer, device: torch.device, weights: dict[str, tuple[int, int]], rows) -> list[dict]:

@@ -217,9 +217,9 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
 
 
 def _variant(
-    A: torch.Tensor, quant_type: str, nested: bool, M: int, elements: int, warps: int = 0
+    A: torch.Tensor, quant_type: str, nested: bool, M: int, elements: int, warps: int = 0, tokens: int = 0
 ) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps)
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps, tokens)
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> torch.Tensor:
@@ -234,11 +234,7 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int
         _fail("the fused kernel does not take this call (see matmul.takes)")
     call = decided.weight
     (N, K), M = call.shape, A.numel() // call.shape[1]
-    variant = _variant(A, call.quant_type, call.nested, M, N * K, warps)
-    if tokens and tokens != variant.tokens:
-        if tokens not in matmul_kernel.tile_choices(M, call.nested):
-            raise ValueError(f"a call of {M} rows does not run the {tokens}-token tile")
-        variant = matmul_kernel.MatmulVariant(variant.dtype, variant.quant_type, variant.nested, tokens, warps=warps)
+    variant = _variant(A, call.quant_type, call.nested, M, N * K, warps, tokens)
     if not variant.builds_on(launcher.device_arch(A.device.index)):
         raise ValueError(f"{variant.name} is not built for this GPU")
     p = matmul_kernel.plan(variant, A.device.index)

@@ -272,11 +272,18 @@ def all_variants(arch: str | None = None) -> list[MatmulVariant]:
     return [v for v in every + few + wide if arch is None or v.builds_on(arch)]
 
 
-def variant_for(dtype: str, quant_type: str, nested: bool, m: int, elements: int, warps: int = 0) -> MatmulVariant:
+def variant_for(
+    dtype: str, quant_type: str, nested: bool, m: int, elements: int, warps: int = 0, tokens: int = 0
+) -> MatmulVariant:
     """The variant that multiplies ``m`` rows of a weight of ``elements`` (N * K): its token tile
-    (``tile_for``), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
-    build; ``warps`` a block (0: the tile's WARPS; a call may take its alternative: ``pick_plan``)."""
-    return MatmulVariant(dtype, quant_type, nested, tile_for(m, nested, elements), nested and m <= FEW_ROWS, warps)
+    (``tile_for``; ``tokens``, one of the call's ``tile_choices``, instead where given: the grid
+    sweep times each), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
+    build; ``warps`` a block (0: the tile's WARPS; a call may take its alternative: ``pick_plan``).
+    Raises ValueError for a tile the call cannot run."""
+    if tokens and tokens not in tile_choices(m, nested):
+        raise ValueError(f"a call of {m} rows does not run the {tokens}-token tile")
+    tile = tokens or tile_for(m, nested, elements)
+    return MatmulVariant(dtype, quant_type, nested, tile, nested and m <= FEW_ROWS, warps)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
@@ -549,8 +556,8 @@ def grid_for(
         replaceable = not grid.clustered or not clusters_fit(
             units, n, grid.steps_per_split, blocks_per_sm, sms, max_clusters
         )
-        pair_pays = tokens in DECODE_TILES and n != 2 and blocks_per_sm >= BUSIEST_SM_BLOCKS and replaceable
-        pair_pays = pair_pays and pair_no_slower(n)
+        decode_pair = tokens in DECODE_TILES and blocks_per_sm >= BUSIEST_SM_BLOCKS
+        pair_pays = decode_pair and n != 2 and replaceable and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
     n, per_split = shape(min(range(fill, min(cap, 2 * fill) + 1), key=cost))
