@@ -171,3 +171,15 @@ def test_the_sanitized_process_runs_every_ops_cases_and_fails_on_any_wrong_outpu
     monkeypatch.setattr(op_checks, "CHECKS", checks(lambda name: name == last))
     assert sanitize.run_cases("bnb") == 1
     assert "cases: 1 outputs differ" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("inputs", ["both", "raw,fp64", ""])
+def test_inputs_outside_raw_and_bnb_are_refused_naming_what_it_takes(inputs, monkeypatch, capsys):
+    """Refused before compute-sanitizer is looked for, with the forms it takes (the message once
+    offered ``both``, which it then refused)."""
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: pytest.fail("looked for compute-sanitizer"))
+    with pytest.raises(SystemExit) as exit_:
+        sanitize.main(["--inputs", inputs])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--inputs takes raw, bnb or raw,bnb" in err and repr(inputs) in err

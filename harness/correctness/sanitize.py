@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m harness.correctness.sanitize", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--tools", default=",".join(TOOLS))
-    parser.add_argument("--inputs", default="raw,bnb", help="raw, bnb or both (comma-separated)")
+    parser.add_argument("--inputs", default="raw,bnb", help="raw, bnb or raw,bnb (the inputs of sanitize_inputs)")
     parser.add_argument("--out", type=Path, default=Path("sanitize-out"))
     parser.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the sanitized process
     args = parser.parse_args(argv)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_cases(args.inputs)
     inputs = args.inputs.split(",")
     if not set(inputs) <= {"raw", "bnb"}:
-        parser.error(f"--inputs takes raw, bnb or both, got {args.inputs!r}")
+        parser.error(f"--inputs takes raw, bnb or raw,bnb, got {args.inputs!r}")
     if shutil.which("compute-sanitizer") is None:
         print("compute-sanitizer is not on PATH (it ships with the CUDA toolkit)", file=sys.stderr)
         return 2
