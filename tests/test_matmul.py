@@ -101,6 +101,37 @@ def test_every_token_tile_has_a_grid_rule_and_the_32_token_tile_splits_the_large
     assert grid.splits == 8 and grid.steps_per_split == 4
 
 
+@pytest.mark.parametrize(
+    ("N", "K", "splits", "steps"),
+    [
+        (8192, 8192, 5, 13),  # llama-3.3-70b o: 4 of 16 read 1.5% slower side by side in two perf gates
+        (28672, 8192, 4, 16),  # its gate: 0.914x the one-wave rule's unsplit grid side by side
+        (3584, 18944, 9, 17),  # qwen2.5-7b down: 39.8 µs on the sweep against 40.2 for 7 of 22
+    ],
+)
+def test_the_32_token_tile_prices_a_shared_block_below_the_64_token_tiles(N, K, splits, steps):
+    """At 32 rows on Hopper (5 blocks of the 32-token tile an SM, no clusters) the waves rule's
+    finished grids under ``WAVES_PRICES[32]``; under the 64-token tile's price 8192x8192 took 4
+    splits of 16 steps, which the sweep's coarse timing put 0.4% ahead of 5 of 13 and side by side
+    ran 1.5% slower (kernels/NOTES.md, "The 32-token tile's price: a tie the sweep could not see")."""
+    g = matmul_kernel.grid_for(32, N, K, 32, 5, 132, (), rule=WIDE)
+    assert (g.splits, g.steps_per_split, g.finished) == (splits, steps, True)
+    mine, wide = matmul_kernel.waves_price(32), matmul_kernel.waves_price(64)
+    assert mine.shared_sm_step < wide.shared_sm_step and mine.finish_steps_per_mb > wide.finish_steps_per_mb
+    groups, all_steps = g.blocks[0], matmul_kernel.steps_of(K, 32)
+
+    def cheapest(price):
+        options = [
+            matmul_kernel.waves_grid(groups, 1, all_steps, s, 5, 132, (), price, matmul_kernel.partial_sums_mb(32 * N))
+            for s in range(1, 17)
+        ]
+        return min(options, key=lambda option: option[0])[1]
+
+    assert cheapest(mine) == g
+    if (N, K) == (8192, 8192):  # what the 64-token tile's price picked
+        assert (cheapest(wide).splits, cheapest(wide).steps_per_split) == (4, 16)
+
+
 def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_have_two():
     """``tile_choices`` lists what ``tile_for`` may give a call whatever the weight's size (the grid
     sweep times each): two tiles for 17-32 rows of a nested weight, the smaller first; one elsewhere."""
