@@ -401,7 +401,7 @@ PARTIAL_SHARE = 1.0
 # on the waves rule"). So does the 32-token tile (5 blocks an SM): the one-wave rule ran the large
 # gate weights unsplit (28672x8192 at 32 rows 121.7 µs where 5 finished splits took 110.1, H200);
 # on the waves rule (its price: WAVES_PRICES), replayed on a sweep of every grid of 30 weights at 32
-# rows (H200), 1.039x the fastest grid -> 1.020x; side by side the gate weight 0.91x (kernels/NOTES.md,
+# rows (H200), 1.039x the fastest grid -> 1.019x; side by side the gate weight 0.91x (kernels/NOTES.md,
 # "The grid sweep at 32 rows").
 WAVES_WIDE_TILES = (32, 64, 128)
 PARTIAL_FLOOR_BYTES = 8 << 20
