@@ -101,6 +101,13 @@ def test_every_token_tile_has_a_grid_rule_and_the_32_token_tile_splits_the_large
     assert grid.splits == 8 and grid.steps_per_split == 4
 
 
+def _cheapest_waves_grid(groups: int, steps: int, plan: tuple, *priced) -> matmul_kernel.Grid:
+    """The waves rule's cheapest grid of 1-16 splits for one token tile, priced by ``priced`` (the
+    tile's WavesPrice and a split's MB of partial sums; none: the flat price), before any cap."""
+    options = [matmul_kernel.waves_grid(groups, 1, steps, s, *plan, *priced) for s in range(1, 17)]
+    return min(options, key=lambda option: option[0])[1]
+
+
 @pytest.mark.parametrize(
     ("N", "K", "splits", "steps"),
     [
@@ -118,18 +125,11 @@ def test_the_32_token_tile_prices_a_shared_block_below_the_64_token_tiles(N, K, 
     assert (g.splits, g.steps_per_split, g.finished) == (splits, steps, True)
     mine, wide = matmul_kernel.waves_price(32), matmul_kernel.waves_price(64)
     assert mine.shared_sm_step < wide.shared_sm_step and mine.finish_steps_per_mb > wide.finish_steps_per_mb
-    groups, all_steps = g.blocks[0], matmul_kernel.steps_of(K, 32)
-
-    def cheapest(price):
-        options = [
-            matmul_kernel.waves_grid(groups, 1, all_steps, s, 5, 132, (), price, matmul_kernel.partial_sums_mb(32 * N))
-            for s in range(1, 17)
-        ]
-        return min(options, key=lambda option: option[0])[1]
-
-    assert cheapest(mine) == g
+    groups, all_steps, split_mb = g.blocks[0], matmul_kernel.steps_of(K, 32), matmul_kernel.partial_sums_mb(32 * N)
+    assert _cheapest_waves_grid(groups, all_steps, (5, 132, ()), mine, split_mb) == g
     if (N, K) == (8192, 8192):  # what the 64-token tile's price picked
-        assert (cheapest(wide).splits, cheapest(wide).steps_per_split) == (4, 16)
+        old = _cheapest_waves_grid(groups, all_steps, (5, 132, ()), wide, split_mb)
+        assert (old.splits, old.steps_per_split) == (4, 16)
 
 
 def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_have_two():
@@ -305,12 +305,8 @@ def test_the_64_token_tile_prices_a_shared_sm_and_the_partial_sums(N, K, old, ne
     groups, steps, price = g.blocks[0], matmul_kernel.steps_of(K, 64), matmul_kernel.waves_price(64)
     assert price.shared_sm_step > 0 and price.finish_steps_per_mb == matmul_kernel.FINISH_STEPS_PER_MB
 
-    def cheapest(*priced):
-        options = [matmul_kernel.waves_grid(groups, 1, steps, s, *plan, *priced) for s in range(1, 17)]
-        return min(options, key=lambda option: option[0])[1]
-
-    assert cheapest(price, matmul_kernel.partial_sums_mb(64 * N)) == g
-    flat = cheapest()
+    assert _cheapest_waves_grid(groups, steps, plan, price, matmul_kernel.partial_sums_mb(64 * N)) == g
+    flat = _cheapest_waves_grid(groups, steps, plan)
     assert (flat.splits, flat.steps_per_split) == old
 
 

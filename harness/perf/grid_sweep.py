@@ -83,13 +83,16 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     return grids
 
 
+def tile_prefix(tokens: int, tiled: bool) -> str:
+    """What a grid's name starts with in a case that timed several token tiles: ``m16 ``."""
+    return f"m{tokens} " if tiled else ""
+
+
 def grid_name(grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0, tiled: bool = False) -> str:
     """``4c x 8``: 4 splits of 8 steps, added in a cluster (c) or by the finish kernel (f); of a build
     with other than the token tile's WARPS (``MatmulVariant.alternative``), ``w12 4c x 8``; in a case
     that timed several token tiles (``tiled``), the tile first: ``m16 2c x 16``."""
-    build = (f"m{tokens} " if tiled else "") + (
-        f"w{warps} " if warps and warps != matmul_kernel.WARPS.get(tokens) else ""
-    )
+    build = tile_prefix(tokens, tiled) + (f"w{warps} " if warps and warps != matmul_kernel.WARPS.get(tokens) else "")
     if grid.splits == 1:
         return f"{build}1 x {grid.steps_per_split}"
     return f"{build}{grid.splits}{'c' if grid.clustered else 'f'} x {grid.steps_per_split}"
@@ -183,7 +186,7 @@ def cost_lines(recorded_cases: list[dict]) -> list[dict]:
     for case in recorded_cases:
         nbytes, tiles = matmul_checks.matmul_bytes(case["N"], case["K"], case["M"]), case_tiles(case)
         for tile in tiles:
-            prefix = f"m{tile['tokens']} " if len(tiles) > 1 else ""
+            prefix = tile_prefix(tile["tokens"], len(tiles) > 1)
             fastest = min(us for name, us in case_times(case).items() if name.startswith(prefix))
             groups.setdefault((tile["kernel"], case["M"]), []).append((nbytes, fastest))
     lines = []
