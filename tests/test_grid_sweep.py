@@ -304,6 +304,27 @@ def test_the_rules_pick_grids_near_the_fastest_on_each_recorded_sweep(path):
         assert max(ratios) <= worst, kind
 
 
+def test_each_tile_of_a_sweep_is_judged_by_its_own_arithmetic(bnb, run_seed):
+    """At 32 rows the sweep runs both tiles on every weight. A small weight's call (rules: two
+    16-token tiles, scaled sums) still has its 32-token grids judged as the dequantized bits, whose
+    bound is the tighter; a large weight's 16-token grids as scaled sums, whose bound is the wider
+    (judged as the call's arithmetic, an H200 sweep read one output of 9216x3072 at 1.12x the bound)."""
+    from harness.correctness import matmul_reference as mr
+
+    B, qs = cases.quantize_weights((64, 512), "nf4", 64, True, torch.bfloat16, seed=run_seed, device="cpu")
+    W = bnb.dequantize_4bit(B, qs)
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(run_seed)).to(torch.bfloat16)
+    variants = grid_sweep.tile_variants(32, 64, 512)
+    assert [v.tokens for v in variants] == [16, 32]
+    bounds = {v.tokens: grid_sweep.tile_reference(v, x, B, qs, W).bound for v in variants}
+    call = mr.fused_reference(x, B, qs, W, None, torch.bfloat16).bound  # the small weight's: scaled sums
+    assert torch.equal(bounds[16], call)
+    assert torch.equal(bounds[32], mr.kernel_reference("dequantized", x, B, qs, W, None, torch.bfloat16).bound)
+    assert bool((bounds[32] < bounds[16]).all())
+    large = 28672 * 8192
+    assert mr.arithmetic_of(32, True, large) == "dequantized" != mr.arithmetic_of_tile(16, True)
+
+
 def test_a_shape_argument_names_a_weight_by_its_features_and_k():
     assert grid_sweep._shape("phi3.qkv=9216x3072") == ("phi3.qkv", (9216, 3072))
     assert all(len(shape) == 2 for shape in grid_sweep.catalog_weights().values())

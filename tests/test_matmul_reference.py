@@ -195,3 +195,18 @@ def test_the_judge_and_the_runtime_agree_on_each_calls_arithmetic():
     assert [mr.arithmetic_of(m, True, large) for m in (1, 8, 9, 16, 17)] == [*["scaled-sums"] * 4, "dequantized"]
     assert [mr.arithmetic_of(m, True, line) for m in (16, 17, 32, 33)] == [*["scaled-sums"] * 3, "dequantized"]
     assert mr.arithmetic_of(1, False, line) == mr.arithmetic_of(17, False, line) == "dequantized"
+
+
+def test_the_judge_and_the_runtime_agree_on_each_token_tiles_arithmetic():
+    """A tile's arithmetic whatever the call (the grid sweep runs both tiles of a 17-32-row call on
+    every weight): the decode tiles' of nested weights scaled sums, the wider ones' the dequantized
+    bits, on every arch's build."""
+    from harness.runtime import matmul_kernel as mk
+
+    for tokens, nested in itertools.product(mk.TOKEN_TILES, (True, False)):
+        assert mk.tile_arithmetic(tokens, nested) == mr.arithmetic_of_tile(tokens, nested), (tokens, nested)
+        for arch in ("sm_80", "sm_90"):
+            source = mk.MatmulVariant("bf16", "nf4", nested, tokens).build(arch)[0]
+            assert mk.ARITHMETIC.get(source, "dequantized") == mr.arithmetic_of_tile(tokens, nested), (arch, tokens)
+    assert [mr.arithmetic_of_tile(t, True) for t in (8, 16, 32)] == ["scaled-sums", "scaled-sums", "dequantized"]
+    assert mr.arithmetic_of_tile(16, False) == "dequantized"

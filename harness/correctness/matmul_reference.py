@@ -204,6 +204,14 @@ def arithmetic_of(rows: int, nested: bool, elements: int) -> str:
     return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS * (2 if small else 1) else "dequantized"
 
 
+def arithmetic_of_tile(tokens: int, nested: bool) -> str:
+    """The arithmetic of the fused kernel whose token tile holds ``tokens`` rows, whatever the call's:
+    the decode tiles (up to SCALED_SUMS_ROWS) of nested weights take scaled sums, the wider ones the
+    dequantized bits. A call of 17-32 rows of a small weight runs two 16-token tiles; the grid sweep
+    times both tiles on every weight, so it judges each by its own tile."""
+    return "scaled-sums" if nested and tokens <= SCALED_SUMS_ROWS else "dequantized"
+
+
 def fused_reference(
     A: torch.Tensor, packed: torch.Tensor, quant_state, dequantized: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype,

@@ -347,11 +347,16 @@ def tile_for(m: int, nested: bool, elements: int) -> int:
     return choices[0] if elements <= TWO_TILE_ELEMENTS else choices[-1]
 
 
-def arithmetic(m: int, nested: bool, elements: int) -> str:
-    """``ARITHMETIC`` of the kernel that multiplies ``m`` tokens of a weight of ``elements`` with
-    nested scales or not (the same on every GPU arch: only the wide tiles' source depends on it)."""
-    source = MatmulVariant(DTYPES[0], QUANT_TYPES[0], nested, tile_for(m, nested, elements)).build("sm_80")[0]
+def tile_arithmetic(tokens: int, nested: bool) -> str:
+    """``ARITHMETIC`` of the kernel of this token tile for weights with nested scales or not (the
+    same on every GPU arch: only the wide tiles' source depends on it)."""
+    source = MatmulVariant(DTYPES[0], QUANT_TYPES[0], nested, tokens).build("sm_80")[0]
     return ARITHMETIC.get(source, "dequantized")
+
+
+def arithmetic(m: int, nested: bool, elements: int) -> str:
+    """``tile_arithmetic`` of the tile that multiplies ``m`` tokens of a weight of ``elements``."""
+    return tile_arithmetic(tile_for(m, nested, elements), nested)
 
 
 def takes_shape(K: int, blocksize: int) -> bool:
