@@ -174,8 +174,12 @@ def test_a_recorded_sweep_is_judged_again_with_this_checkouts_rules_without_a_gp
     monkeypatch.setattr(mk, "grid_for", lambda *args, **kwargs: pair)
     assert grid_sweep.main([f"--out={tmp_path / 'b'}", f"--replay={recorded}", "--tolerance=0.03"]) == 0
     # A grid's output out of bound fails the sweep whatever the times.
-    recorded.write_text(json.dumps({"machine": {}, "cases": [cases[0] | {"all in bound": False}, cases[1]]}))
+    wrong = {"all in bound": False, "out of bound": {"2c x 16": 1.121}}
+    recorded.write_text(json.dumps({"machine": {}, "cases": [cases[0] | wrong, cases[1]]}))
     assert grid_sweep.main([f"--out={tmp_path / 'c'}", f"--replay={recorded}", "--geomean-tolerance=1"]) == 1
+    # The report names it, with how far it lay.
+    named = (tmp_path / "c" / "grid-sweep.md").read_text().split("grid out of bound")[1]
+    assert "| 2c x 16 " in named and "1.121" in named
 
 
 def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
@@ -323,6 +327,27 @@ def test_each_tile_of_a_sweep_is_judged_by_its_own_arithmetic(bnb, run_seed):
     assert bool((bounds[32] < bounds[16]).all())
     large = 28672 * 8192
     assert mr.arithmetic_of(32, True, large) == "dequantized" != mr.arithmetic_of_tile(16, True)
+
+
+def test_a_grid_whose_output_leaves_the_bound_is_named_with_its_worst_ratio(monkeypatch):
+    """Which grid left the bound, and how far (a NaN where the reference is finite: inf), without a
+    GPU: the kernel and the timer stood in for."""
+    from harness.correctness import matmul_reference as mr
+
+    value = torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+    reference = mr.Reference(value, torch.full_like(value, 0.5))
+    off = {8: value, 4: value + torch.tensor([[0.0, 1.5, 0.2]]), 2: value * float("nan")}  # by steps a split
+
+    class Timer:
+        def measure(self, run):
+            run()
+            return type("Measured", (), {"median_s": 1e-5})()
+
+    monkeypatch.setattr(matmul, "fused_matmul_on_grid", lambda x, B, qs, grid, warps, tokens: off[grid.steps_per_split])
+    grids = [mk.Grid((1, 64 // s, 1), s, False) for s in (8, 4, 2)]
+    times, runs, outside = grid_sweep.time_grids(Timer(), None, torch.zeros(1, 1), None, reference, grids, 16)
+    assert list(times) == list(runs) == ["8f x 8", "16f x 4", "32f x 2"] and set(times.values()) == {10.0}
+    assert outside == {"16f x 4": pytest.approx(3.0), "32f x 2": math.inf}
 
 
 def test_a_shape_argument_names_a_weight_by_its_features_and_k():

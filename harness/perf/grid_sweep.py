@@ -5,7 +5,9 @@ added inside a thread block cluster) were fit to H100 measurements of a few mode
 (kernels/NOTES.md). For each weight of the shapes catalog and each row count, this times the rules'
 grid against every other grid the kernel runs (K in 1 to ``MAX_SPLITS`` splits, each finished or,
 where the GPU holds such clusters, clustered), GPU time with a cold L2, and judges every grid's
-output against the fp64 reference: a grid the rules never pick must still compute the right result.
+output against the fp64 reference of its tile's arithmetic (``tile_reference``): a grid the rules
+never pick must still compute the right result (a case records any that did not, with its worst
+error over the bound, as ``out of bound``).
 Where a call may run more than one token tile (``matmul_kernel.tile_choices``: 17-32 rows, two
 16-token tiles or one of 32, by the weight's size), every grid of each tile is timed, so a replay
 judges the rule that picks the tile (``tile_for``) as well as the grid's.
@@ -213,21 +215,25 @@ def time_grids(
     tokens: int,
     warps: int = 0,
     tiled: bool = False,
-) -> tuple[dict, dict, bool]:
-    """({grid name: GPU µs}, {grid name: its call}, every grid's output in bound) for one call on
-    ``grids`` of the build of ``tokens`` a tile with ``warps`` a block (0: the token tile's WARPS);
-    ``tiled``: the case times several tiles (``grid_name``)."""
-    times, runs, in_bound = {}, {}, True
+) -> tuple[dict, dict, dict]:
+    """({grid name: GPU µs}, {grid name: its call}, {grid name: its worst |error| ÷ bound} for the
+    grids whose output left ``reference``'s bound) for one call on ``grids`` of the build of
+    ``tokens`` a tile with ``warps`` a block (0: the token tile's WARPS); ``tiled``: the case times
+    several tiles (``grid_name``)."""
+    times, runs, outside = {}, {}, {}
     with torch.no_grad():
         for grid in grids:
 
             def run(grid=grid):
                 return matmul.fused_matmul_on_grid(x, B.t(), qs, grid, warps, tokens)
 
-            in_bound &= mr.judge(run(), reference).ok
             name = grid_name(grid, warps, tokens, tiled)
+            judged = mr.judge(run(), reference)
+            if not judged.ok:  # a NaN or a wrong infinity reads inf
+                finite = math.isfinite(judged.worst_ratio) and judged.nonfinite_mismatch == 0
+                outside[name] = judged.worst_ratio if finite else math.inf
             times[name], runs[name] = timer.measure(run).median_s * 1e6, run
-    return times, runs, in_bound
+    return times, runs, outside
 
 
 def near_ties(times: dict[str, float], within: float) -> list[str]:
@@ -278,7 +284,7 @@ def sweep(
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
         variants = tile_variants(M, N, K)
-        times, runs, in_bound, tiles = {}, {}, True, []
+        times, runs, outside, tiles = {}, {}, {}, []
         for variant in variants:
             # The 16-token tile of a weight the rules send to the 32-token tile still multiplies
             # scaled sums: judged as the dequantized bits, one output of 9216x3072 at 32 rows read
@@ -289,17 +295,17 @@ def sweep(
                 plans.append(matmul_kernel.plan(plans[0].alternative, device.index))
             for p in plans:
                 grids = candidate_grids(p, M, N, K, variant.tokens)
-                timed, calls, ok = time_grids(
+                timed, calls, left = time_grids(
                     timer, x, B, qs, reference, grids, variant.tokens, p.warps, len(variants) > 1
                 )
-                times, runs, in_bound = times | timed, runs | calls, in_bound and ok
+                times, runs, outside = times | timed, runs | calls, outside | left
             kernel = variant.build(launcher.device_arch(device.index))[0]  # its rule is replayed with it
             tile = {"tokens": variant.tokens, "kernel": kernel, "plan": plan_inputs(plans[0])}
             tiles.append(tile | ({"alternative plans": [plan_inputs(p) for p in plans[1:]]} if plans[1:] else {}))
         case = {"layer": f"{layer} {N}x{K}", "M": M, "N": N, "K": K} | tiles[0]  # the rules' tile
         if len(tiles) > 1:
             case["tiles"] = tiles
-        case |= {"µs by grid": times, "all in bound": in_bound}
+        case |= {"µs by grid": times, "all in bound": not outside} | ({"out of bound": outside} if outside else {})
         close = near_ties(times, within) if within else []
         if close:
             with torch.no_grad():
@@ -320,6 +326,13 @@ def report(recorded: dict, tolerance: float, geomean_tolerance: float, out: Path
     text = tabulate(rows, headers="keys", floatfmt=".4g", tablefmt="github")
     text += "\n\n" + tabulate([result["summary"]], headers="keys", floatfmt=".4g", tablefmt="github")
     text += "\n\n" + tabulate(cost_lines(recorded["cases"]), headers="keys", floatfmt=".3g", tablefmt="github")
+    outside = [
+        {"layer": case["layer"], "M": case["M"], "grid out of bound": name, "worst |error| ÷ bound": ratio}
+        for case in recorded["cases"]
+        for name, ratio in case.get("out of bound", {}).items()
+    ]
+    if outside:
+        text += "\n\n" + tabulate(outside, headers="keys", floatfmt=".4g", tablefmt="github")
     (out / "grid-sweep.md").write_text(text + "\n")
     print(text)
     good = result["summary"]["geomean rules ÷ fastest"] <= 1 + geomean_tolerance
