@@ -198,18 +198,19 @@ def reference_weights(
 SCALED_SUMS_ROWS, SCALED_SUMS_ELEMENTS = 16, 12 << 20
 
 
-def arithmetic_of(rows: int, nested: bool, elements: int) -> str:
-    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight of ``elements`` (N * K)."""
-    small = elements <= SCALED_SUMS_ELEMENTS
-    return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS * (2 if small else 1) else "dequantized"
-
-
 def arithmetic_of_tile(tokens: int, nested: bool) -> str:
-    """The arithmetic of the fused kernel whose token tile holds ``tokens`` rows, whatever the call's:
-    the decode tiles (up to SCALED_SUMS_ROWS) of nested weights take scaled sums, the wider ones the
-    dequantized bits. A call of 17-32 rows of a small weight runs two 16-token tiles; the grid sweep
-    times both tiles on every weight, so it judges each by its own tile."""
+    """The arithmetic of the fused kernel whose token tile holds ``tokens`` rows, whatever the call's
+    (the grid sweep times both tiles a 17-32-row call may run, on every weight): the decode tiles (up
+    to SCALED_SUMS_ROWS) of nested weights take scaled sums, the wider ones the dequantized bits."""
     return "scaled-sums" if nested and tokens <= SCALED_SUMS_ROWS else "dequantized"
+
+
+def arithmetic_of(rows: int, nested: bool, elements: int) -> str:
+    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight of ``elements``
+    (N * K): a decode tile's up to SCALED_SUMS_ROWS rows, and up to twice as many (two tiles) of a
+    small weight; else a tile of the call's rows."""
+    decode = rows <= SCALED_SUMS_ROWS * (2 if elements <= SCALED_SUMS_ELEMENTS else 1)
+    return arithmetic_of_tile(SCALED_SUMS_ROWS if decode else rows, nested)
 
 
 def fused_reference(
