@@ -128,8 +128,8 @@ class WavesPrice:
 # splits of 16 steps for 5 of 13, a 0.4% gain on the sweep's coarse timing but 1.5% slower side by
 # side in two perf gates (red) and 3.9% in interleaved timing; a cheaper shared block and a dearer
 # MB of sums pick 5 there, keep the gate weight's 4 and leave the sweep's replay as it was (1.0254
-# against 1.0257 over its 32-row cases; kernels/NOTES.md, "The 32-token tile's price: a tie the
-# sweep could not see").
+# against 1.0257 over its 32-row cases; 1.0255 against 1.0261 on the sweep re-recorded with its
+# confirmation stage; kernels/NOTES.md, "The 32-token tile's price: a tie the sweep could not see").
 WAVES_PRICES = {
     16: WavesPrice(finish_steps=6),
     32: WavesPrice(0, 0.5, 0.6),

@@ -5,6 +5,7 @@
 // its 16-byte pieces XORed with that index mod 8); checked against plain loads first. Timing as in
 // read_pattern.cu.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90 -std=c++17 -DU_BOX=2 -o read_tma read_tma.cu -lcuda && ./read_tma
+// (where no libcuda.so is on the linker's path: -L$CUDA_HOME/lib64/stubs)
 #include <cuda.h>
 #include "probe.cuh"
 #ifndef U_BOX
@@ -99,5 +100,7 @@ int main() {
         time_reads(label, weights, [&] { tma16<W, S, P, U_BOX><<<grid, W * 32, dyn>>>(maps[weights.next], out, splits); }); \
     }
     T(4, 1, 43) T(4, 2, 27) T(8, 2, 43) T(8, 1, 43) T(4, 3, 24)
+    // deeper rings: more bytes in flight an SM than 16 warps' registers hold
+    T(4, 4, 0) T(8, 3, 0) T(8, 4, 0) T(16, 2, 0) T(16, 3, 0)
     return 0;
 }
