@@ -38,6 +38,12 @@
 #define SLICE_BYTES (MM_TOKENS * 32 + 16)
 #define STAGE_BYTES (SLICES * SLICE_BYTES)
 #define THREADS (MM_WARPS * 32)
+// Activation tiles in flight. At 128 tokens a block has the SM to itself and 3 stages fit beside the
+// pair table, so a step never drains its wgmmas: the stage a step refills was read two steps before,
+// and every warpgroup's wait for its next-to-last group has covered that (kernels/NOTES.md, "Three
+// stages for the 128-token tile"). Two stages (64 tokens and below: static shared memory) wait for
+// all of a step's wgmmas before the next step's barrier.
+#define WIDE_STAGES (MM_TOKENS == 128 ? 3 : ACT_STAGES)
 // 16-byte activation chunks a thread moves a step (the last one past the tile's rows for some
 // threads where the block's threads do not divide them: 12 warps at 128 tokens)
 #define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)
@@ -186,16 +192,16 @@ __device__ __forceinline__ void store_chunks(unsigned char* stage, const ActChun
 // z = token tiles; partial sums added by matmul_4bit_finish in split order), except that at 64
 // tokens (MM_CLUSTER_SPLITS 2) two splits may run as a cluster that adds them (add_splits_in_cluster).
 extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
-#if WIDE_PAIRS  // the pair table (and at 128 tokens the two stages) pass the 48 KB a kernel may declare
+#if WIDE_PAIRS  // the pair table (and at 128 tokens the stages) pass the 48 KB a kernel may declare
     extern __shared__ __align__(128) unsigned char s_dynamic[];
     const float2* s_pairs = reinterpret_cast<const float2*>(s_dynamic);
 #else
     __shared__ __align__(16) float s_code[16];
 #endif
 #if MM_TOKENS == 128
-    auto& s_act = *reinterpret_cast<unsigned char(*)[ACT_STAGES][STAGE_BYTES]>(s_dynamic + WIDE_PAIR_TABLE_BYTES);
+    auto& s_act = *reinterpret_cast<unsigned char(*)[WIDE_STAGES][STAGE_BYTES]>(s_dynamic + WIDE_PAIR_TABLE_BYTES);
 #else
-    __shared__ __align__(128) unsigned char s_act[ACT_STAGES][STAGE_BYTES];
+    __shared__ __align__(128) unsigned char s_act[WIDE_STAGES][STAGE_BYTES];
 #endif
     MM_SCALES_PROLOGUE;
     cp_async_commit();  // the scales' code book: this kernel's only cp.async group
@@ -231,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         if (first + 1 < last) load_chunks(act, A, m0, rows, (first + 1) * STEP_K, K);
     }
     for (int step = first; step < last; ++step) {
-        const int stage = (step - first) & 1;
+        const int stage = (step - first) % WIDE_STAGES, refill = stage + 1 == WIDE_STAGES ? 0 : stage + 1;
         StepWeights next;
         load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2,
                   bs2_log2);
@@ -239,11 +245,10 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         // The tile was written through the generic proxy; the tensor cores read it through the async one.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // This step's tile (and, the first time, the code tables) visible to every warp, and every
-        // warpgroup's wgmmas of the step before done (each waited for its own), so the other stage
-        // can be refilled.
+        // warpgroup's wgmmas that read the stage to refill done (each waited for its own).
         __syncthreads();
         if (step + 1 < last) {
-            store_chunks(s_act[stage ^ 1], act);
+            store_chunks(s_act[refill], act);
             if (step + 2 < last) load_chunks(act, A, m0, rows, (step + 2) * STEP_K, K);
         }
         // Slice j's descriptor is the tile's plus j * SLICE_BYTES in the address field (in 16-byte
@@ -279,9 +284,10 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
             wgmma_commit();
             wgmma_wait<1>();  // group p - 1 done: its registers are free for group p + 1
         }
-        wgmma_wait<0>();  // this stage is refilled two steps on, after the next barrier
+        if (WIDE_STAGES == 2) wgmma_wait<0>();  // this stage is refilled after the next barrier
         cur = next;
     }
+    wgmma_wait<0>();
     settle(acc);
     static_assert(!MM_CLUSTERS || sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float),
                   "the splits' sums borrow the stages");

@@ -249,12 +249,12 @@ class MatmulVariant:
         if source == SOURCE_M8_PAIRS and self.tokens != DECODE_TILES[0]:
             return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
         # The wgmma kernel's table of code pairs from 64 tokens (kernels/matmul_4bit_sm90.cu), then the
-        # wide kernels' two stages at 128 tokens: 16 bytes a token and 8 k, 16 bytes of padding a k16
-        # slice in the wgmma kernel's.
+        # wide kernels' stages at 128 tokens (two; three in the wgmma kernel's, WIDE_STAGES there): 16
+        # bytes a token and 8 k, 16 bytes of padding a k16 slice in the wgmma kernel's.
         pairs = WIDE_PAIR_TABLE_BYTES if source == SOURCE_SM90 and self.tokens >= WIDE_PAIRS_TILE else 0
         if self.tokens == WIDE_DYNAMIC_TILE:
-            slice_padding = 16 * (STEP_K_WIDE // 16) if source == SOURCE_SM90 else 0
-            return pairs + 2 * (self.tokens * STEP_K_WIDE * 2 + slice_padding)
+            slice_padding, stages = (16 * (STEP_K_WIDE // 16), 3) if source == SOURCE_SM90 else (0, 2)
+            return pairs + stages * (self.tokens * STEP_K_WIDE * 2 + slice_padding)
         return pairs
 
     def macros(self, arch: str) -> tuple[tuple[str, str], ...]:
