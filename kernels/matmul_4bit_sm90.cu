@@ -32,19 +32,19 @@
 #endif
 
 #define SLICES (STEP_K / 16)  // k16 slices of a step: one wgmma each
-#define WIDE_DEEP (MM_TOKENS == 128 && MM_WARPS == 8)  // see WIDE_STAGES
+#define WIDE_DEEP (MM_TOKENS == 128 && MM_WARPS == 8 && MM_NESTED)  // see WIDE_STAGES
 #define GROUP (WIDE_DEEP ? 4 : MM_TOKENS >= 32 ? 2 : 1)  // slices a commit
 #define CORE_LBO 128          // bytes from a core matrix to the one holding the slice's next 8 k
 #define CORE_SBO 256          // bytes from 8 tokens to the next 8
 #define SLICE_BYTES (MM_TOKENS * 32 + 16)
 #define STAGE_BYTES (SLICES * SLICE_BYTES)
 #define THREADS (MM_WARPS * 32)
-// Activation tiles in flight. The 8-warp 128-token build has the SM to itself, and 3 stages fit beside
-// the pair table, so a step never drains its wgmmas: the stage a step refills was read two steps
-// before, and every warpgroup's wait for its next-to-last group has covered that; its slices go 4 a
-// commit (16 lookups in flight a warp; 205 registers). Measured 4.7% faster on a 70B gate weight;
-// the 12-warp build was not helped (kernels/NOTES.md, "Three stages for the 128-token tile"). Two
-// stages wait for all of a step's wgmmas before the next step's barrier.
+// Activation tiles in flight. The nested 8-warp 128-token build has the SM to itself, and 3 stages fit
+// beside the pair table, so a step never drains its wgmmas: the stage a step refills was read two
+// steps before, and every warpgroup's wait for its next-to-last group has covered that; its slices go
+// 4 a commit (16 lookups in flight a warp; 205 registers). Measured 4.4-4.7% faster on a 70B gate
+// weight; the 12-warp and plain builds were not helped (kernels/NOTES.md, "Three stages for the
+// 128-token tile"). Two stages wait for all of a step's wgmmas before the next step's barrier.
 #define WIDE_STAGES (WIDE_DEEP ? 3 : ACT_STAGES)
 // 16-byte activation chunks a thread moves a step (the last one past the tile's rows for some
 // threads where the block's threads do not divide them: 12 warps at 128 tokens)
@@ -239,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         if (first + 1 < last) load_chunks(act, A, m0, rows, (first + 1) * STEP_K, K);
     }
     for (int step = first; step < last; ++step) {
-        const int stage = (step - first) % WIDE_STAGES, refill = stage + 1 == WIDE_STAGES ? 0 : stage + 1;
+        const int stage = WIDE_STAGES == 2 ? (step - first) & 1 : (step - first) % WIDE_STAGES;
+        const int refill = stage + 1 == WIDE_STAGES ? 0 : stage + 1;
         StepWeights next;
         load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2,
                   bs2_log2);
@@ -289,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
         if (WIDE_STAGES == 2) wgmma_wait<0>();  // this stage is refilled after the next barrier
         cur = next;
     }
-    wgmma_wait<0>();
+    if (WIDE_STAGES != 2) wgmma_wait<0>();
     settle(acc);
     static_assert(!MM_CLUSTERS || sizeof(s_act) >= MM_TOKENS * MM_WARPS * 16 * sizeof(float),
                   "the splits' sums borrow the stages");

@@ -249,13 +249,14 @@ class MatmulVariant:
         if source == SOURCE_M8_PAIRS and self.tokens != DECODE_TILES[0]:
             return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
         # The wgmma kernel's table of code pairs from 64 tokens (kernels/matmul_4bit_sm90.cu), then the
-        # wide kernels' stages at 128 tokens (two; three in the wgmma kernel's 8-warp build, WIDE_STAGES
-        # there): 16 bytes a token and 8 k, 16 bytes of padding a k16 slice in the wgmma kernel's.
+        # wide kernels' stages at 128 tokens (two; three in the wgmma kernel's nested 8-warp build,
+        # WIDE_STAGES there): 16 bytes a token and 8 k, 16 bytes of padding a k16 slice in the wgmma
+        # kernel's.
         pairs = WIDE_PAIR_TABLE_BYTES if source == SOURCE_SM90 and self.tokens >= WIDE_PAIRS_TILE else 0
         if self.tokens == WIDE_DYNAMIC_TILE:
             sm90 = source == SOURCE_SM90
             slice_padding = 16 * (STEP_K_WIDE // 16) if sm90 else 0
-            stages = 3 if sm90 and self.warps == WARPS[self.tokens] else 2
+            stages = 3 if sm90 and self.nested and self.warps == WARPS[self.tokens] else 2
             return pairs + stages * (self.tokens * STEP_K_WIDE * 2 + slice_padding)
         return pairs
 
