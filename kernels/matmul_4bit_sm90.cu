@@ -240,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(WIDE_BOUNDS) matmul_4bit_kernel(MM_
     }
     for (int step = first; step < last; ++step) {
         const int stage = WIDE_STAGES == 2 ? (step - first) & 1 : (step - first) % WIDE_STAGES;
-        const int refill = stage + 1 == WIDE_STAGES ? 0 : stage + 1;
+        const int refill = WIDE_STAGES == 2 ? stage ^ 1 : (stage + 1 == WIDE_STAGES ? 0 : stage + 1);
         StepWeights next;
         load_step(next, step + 1 < last ? step + 1 : steps, W, absmax, absmax2, n_lo, n_hi, N, K, t, bs_log2,
                   bs2_log2);
