@@ -32,20 +32,24 @@
 #endif
 
 #define SLICES (STEP_K / 16)  // k16 slices of a step: one wgmma each
-#define WIDE_DEEP (MM_TOKENS == 128 && MM_WARPS == 8 && MM_NESTED)  // see WIDE_STAGES
-#define GROUP (WIDE_DEEP ? 4 : MM_TOKENS >= 32 ? 2 : 1)  // slices a commit
+#ifndef MM_DEEP  // the host's choice (matmul_kernel.MatmulVariant.deep): see WIDE_STAGES
+#define MM_DEEP 0
+#endif
+#if MM_DEEP && MM_TOKENS != 128
+#error "MM_DEEP is the 128-token tile's: its third stage is dynamic shared memory"
+#endif
+#define GROUP (MM_DEEP ? 4 : MM_TOKENS >= 32 ? 2 : 1)  // slices a commit
 #define CORE_LBO 128          // bytes from a core matrix to the one holding the slice's next 8 k
 #define CORE_SBO 256          // bytes from 8 tokens to the next 8
 #define SLICE_BYTES (MM_TOKENS * 32 + 16)
 #define STAGE_BYTES (SLICES * SLICE_BYTES)
 #define THREADS (MM_WARPS * 32)
-// Activation tiles in flight. The nested 8-warp 128-token build has the SM to itself, and 3 stages fit
-// beside the pair table, so a step never drains its wgmmas: the stage a step refills was read two
-// steps before, and every warpgroup's wait for its next-to-last group has covered that; its slices go
-// 4 a commit (16 lookups in flight a warp; 205 registers). Measured 4.4-4.7% faster on a 70B gate
-// weight; the 12-warp and plain builds were not helped (kernels/NOTES.md, "Three stages for the
-// 128-token tile"). Two stages wait for all of a step's wgmmas before the next step's barrier.
-#define WIDE_STAGES (WIDE_DEEP ? 3 : ACT_STAGES)
+// Activation tiles in flight. The deep build (the nested 8-warp 128-token one) has the SM to itself,
+// and 3 stages fit beside the pair table, so a step never drains its wgmmas: the stage a step
+// refills was read two steps before, and every warpgroup's wait for its next-to-last group has
+// covered that; its slices go 4 a commit (16 lookups in flight a warp; 205 registers). Two stages
+// wait for all of a step's wgmmas before the next step's barrier.
+#define WIDE_STAGES (MM_DEEP ? 3 : ACT_STAGES)
 // 16-byte activation chunks a thread moves a step (the last one past the tile's rows for some
 // threads where the block's threads do not divide them: 12 warps at 128 tokens)
 #define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)

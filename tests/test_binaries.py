@@ -48,7 +48,7 @@ def test_the_statuses_of_two_sides():
     assert text.endswith("4 builds: 1 changed, 1 only in base, 1 only in candidate, 1 same")
 
 
-def test_a_planted_kernel_edit_changes_exactly_the_builds_it_reaches_and_a_comment_none(tmp_path, cache):
+def test_a_planted_edit_changes_exactly_the_builds_it_reaches_and_a_comment_none(tmp_path, cache):
     """The wgmma kernel's deep build (three stages, 4 slices a commit) given to the plain 8-warp
     128-token builds too: those two builds' cubins change, the nested and 12-warp ones' stay; a comment
     added to the header every kernel includes changes no cubin."""
@@ -56,16 +56,7 @@ def test_a_planted_kernel_edit_changes_exactly_the_builds_it_reaches_and_a_comme
     assert len(base) == 8, sorted(base)
 
     planted = _tree_copy(tmp_path / "planted")
-    _edit(
-        planted / "kernels" / "matmul_4bit_sm90.cu",
-        "#define WIDE_DEEP (MM_TOKENS == 128 && MM_WARPS == 8 && MM_NESTED)",
-        "#define WIDE_DEEP (MM_TOKENS == 128 && MM_WARPS == 8)",
-    )
-    _edit(
-        planted / "harness" / "runtime" / "matmul_kernel.py",
-        "stages = 3 if sm90 and self.nested and self.warps",
-        "stages = 3 if sm90 and self.warps",
-    )
+    _edit(planted / "harness" / "runtime" / "matmul_kernel.py", "            and self.nested\n", "")
     changed = {b.name for b in compare(base, digests(planted, ("sm_90",), BUILDS)) if b.status != "same"}
     assert changed == {"mm4-nf4-bf16-plain-m128-w8@sm_90", "mm4-fp4-bf16-plain-m128-w8@sm_90"}
 
