@@ -171,6 +171,17 @@ struct ActChunks {
 __device__ __forceinline__ void load_chunks(ActChunks& c, const elem_t* __restrict__ A, i64 m0, int rows, int k0,
                                             int K) {
     const int x = threadIdx.x & 15, k = k0 + 8 * x;
+    // A step whose tile lies inside M and K (block-uniform: every step of a full token tile but a
+    // last partial k step) needs neither the predicate nor the zeros: one pointer and a stride,
+    // where the general path re-tests, zeroes and re-reads A's address a chunk (NOTES, "The
+    // activation staging of a full tile").
+    if (!CHUNKS_PAST_TILE && rows == MM_TOKENS && k0 + STEP_K <= K) {
+        const elem_t* p = A + (m0 + (threadIdx.x >> 4)) * K + k;
+        const i64 stride = (i64)ROW_STRIDE * K;
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) c.v[i] = __ldg(reinterpret_cast<const uint4*>(p + stride * i));
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const int r = (threadIdx.x >> 4) + ROW_STRIDE * i;
