@@ -803,6 +803,42 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quant_type", "dtype", "nested"), [("nf4", torch.bfloat16, True), ("fp4", torch.float16, False)], ids=str
+)
+# Full 128-token tiles over whole steps (the staging's path without predicates), two of them, a
+# partial tile, and full and partial tiles ending in a partial k step; N = 200: a partial feature group.
+@pytest.mark.parametrize(("M", "K"), [(128, 4096), (256, 4096), (100, 4096), (200, 4096 + 96), (128, 4096 + 96)])
+def test_every_build_of_the_128_token_tile_gives_the_one_hot_bits(
+    cuda, run_seed, monkeypatch, quant_type, dtype, nested, M, K
+):
+    """Each build of the 128-token tile this GPU has (on Hopper the 8-warp one and its 12-warp
+    alternative, which ``pick_plan`` gives only some weights), forced in turn: one-hot rows give the
+    dequantization kernel's bits, random rows stay in the bound."""
+    N = 200
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M, N * K)
+    assert variant.tokens == 128
+    arch = launcher.device_arch(cuda.index)
+    builds = [variant] + [v for v in [variant.alternative(arch)] if v is not None]
+    assert len(builds) == (2 if arch in matmul_kernel.WGMMA_TARGETS else 1), arch
+    B, qs, W = _weights(N, K, quant_type, 64, nested, dtype, run_seed, cuda)
+    A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
+    R = torch.randn(M, K, generator=cases.seeded_generator(run_seed + M, cuda), device=cuda).to(dtype)
+    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested, N * K), B, qs, W)[:, columns].t().contiguous()
+    reference = mr.fused_reference(R, B, qs, W, None, dtype)
+    for build in builds:
+        forced = matmul_kernel.plan(build, cuda.index)
+        monkeypatch.setattr(matmul_kernel, "pick_plan", lambda *args, plan_of=None, p=forced: p)
+        with host_path.python_path_only():
+            one_hot = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
+            random_rows = matmul.fused_matmul(R, B.t(), qs)
+        label = f"{build.name} M={M} K={K}"
+        assert_bit_exact(one_hot, expected, f"one-hot, {label}")
+        judged = mr.judge(random_rows, reference)
+        assert judged.ok, (label, judged)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", True), ("fp4", False)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 32, 64, 65, 200, 1024])
