@@ -55,7 +55,7 @@
 #define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)
 #define ROW_STRIDE (THREADS / 16)  // tokens between a thread's chunks
 #define CHUNKS_PAST_TILE (CHUNKS * THREADS != MM_TOKENS * (STEP_K / 8))
-#define FULL_TILE_PATH (CHUNKS > 4)  // load_chunks' path without predicates
+#define FULL_TILE_PATH (CHUNKS >= 8 && !CHUNKS_PAST_TILE)  // load_chunks' path without predicates
 #if ROW_STRIDE % 8 != 0
 #error "the activation tile's chunks must be 8-token groups apart"
 #endif
@@ -175,15 +175,13 @@ __device__ __forceinline__ void load_chunks(ActChunks& c, const elem_t* __restri
     // A step whose tile lies inside M and K (block-uniform: every step of a full token tile but a
     // last partial k step) needs neither the predicate nor the zeros: one pointer and a stride,
     // where the general path re-tests, zeroes and re-reads A's address a chunk. Taken where a
-    // thread moves more than 4 chunks a step: at 4 the saving measured 0-2% on large weights and
-    // cost the small ones 1-2.5% (NOTES, "The activation staging of a full tile").
+    // thread moves 8 chunks a step: at 4 the saving measured 0-2% on large weights and cost the
+    // small ones 1-2.5% (NOTES, "The activation staging of a full tile").
     if (FULL_TILE_PATH && rows == MM_TOKENS && k0 + STEP_K <= K) {
         const elem_t* p = A + (m0 + (threadIdx.x >> 4)) * K + k;
         const i64 stride = (i64)ROW_STRIDE * K;
 #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i)  // (12 warps: the last chunk of some threads lies past the tile)
-            if (!CHUNKS_PAST_TILE || i < CHUNKS - 1 || (threadIdx.x >> 4) + ROW_STRIDE * i < MM_TOKENS)
-                c.v[i] = __ldg(reinterpret_cast<const uint4*>(p + stride * i));
+        for (int i = 0; i < CHUNKS; ++i) c.v[i] = __ldg(reinterpret_cast<const uint4*>(p + stride * i));
         return;
     }
 #pragma unroll
