@@ -55,7 +55,10 @@
 #define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)
 #define ROW_STRIDE (THREADS / 16)  // tokens between a thread's chunks
 #define CHUNKS_PAST_TILE (CHUNKS * THREADS != MM_TOKENS * (STEP_K / 8))
-#define FULL_TILE_PATH (CHUNKS >= 8 && !CHUNKS_PAST_TILE)  // load_chunks' path without predicates
+// load_chunks' path without predicates, in the builds where it measured faster: the 32-token tile
+// and the 8-warp 128-token one (NOTES, "The activation staging of a full tile": the 64-token build
+// lost 2.2-2.5% on a small weight, the 12-warp one 3.4% on the o weight)
+#define FULL_TILE_PATH (MM_TOKENS == 32 || (MM_TOKENS == 128 && !CHUNKS_PAST_TILE))
 #if ROW_STRIDE % 8 != 0
 #error "the activation tile's chunks must be 8-token groups apart"
 #endif
@@ -174,9 +177,7 @@ __device__ __forceinline__ void load_chunks(ActChunks& c, const elem_t* __restri
     const int x = threadIdx.x & 15, k = k0 + 8 * x;
     // A step whose tile lies inside M and K (block-uniform: every step of a full token tile but a
     // last partial k step) needs neither the predicate nor the zeros: one pointer and a stride,
-    // where the general path re-tests, zeroes and re-reads A's address a chunk. Taken where a
-    // thread moves 8 chunks a step: at 4 the saving measured 0-2% on large weights and cost the
-    // small ones 1-2.5% (NOTES, "The activation staging of a full tile").
+    // where the general path re-tests, zeroes and re-reads A's address a chunk.
     if (FULL_TILE_PATH && rows == MM_TOKENS && k0 + STEP_K <= K) {
         const elem_t* p = A + (m0 + (threadIdx.x >> 4)) * K + k;
         const i64 stride = (i64)ROW_STRIDE * K;
