@@ -827,12 +827,15 @@ def test_every_build_of_the_128_token_tile_gives_the_one_hot_bits(
     expected = mr.one_hot_weights(mr.arithmetic_of(M, nested, N * K), B, qs, W)[:, columns].t().contiguous()
     reference = mr.fused_reference(R, B, qs, W, None, dtype)
     for build in builds:
-        forced = matmul_kernel.plan(build, cuda.index)
-        monkeypatch.setattr(matmul_kernel, "pick_plan", lambda *args, plan_of=None, p=forced: p)
+        forced, picked = matmul_kernel.plan(build, cuda.index), []
+        monkeypatch.setattr(
+            matmul_kernel, "pick_plan", lambda *args, plan_of=None, p=forced, seen=picked: seen.append(p) or p
+        )
         with host_path.python_path_only():
             one_hot = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
             random_rows = matmul.fused_matmul(R, B.t(), qs)
         label = f"{build.name} M={M} K={K}"
+        assert len(picked) >= 2, f"{label}: the calls did not go through pick_plan"
         assert_bit_exact(one_hot, expected, f"one-hot, {label}")
         judged = mr.judge(random_rows, reference)
         assert judged.ok, (label, judged)
