@@ -55,11 +55,11 @@
 #define CHUNKS ((MM_TOKENS * (STEP_K / 8) + THREADS - 1) / THREADS)
 #define ROW_STRIDE (THREADS / 16)  // tokens between a thread's chunks
 #define CHUNKS_PAST_TILE (CHUNKS * THREADS != MM_TOKENS * (STEP_K / 8))
-// load_chunks' path without predicates: the 8-warp 128-token builds, where it measured faster on
-// every weight timed (NOTES, "The activation staging of a full tile": the 64-token build lost
-// 2.2-2.5% on a small weight with it, the 12-warp one 3.4% on the o weight; the 32-token tile
-// gained 1.1-1.8% on the large weights, its small ones untimed)
-#define FULL_TILE_PATH (MM_TOKENS == 128 && !CHUNKS_PAST_TILE)
+// load_chunks' path without predicates: the 32-token tile and the 8-warp 128-token builds, where it
+// measured faster or the same on every weight timed, small ones included (NOTES, "The activation
+// staging of a full tile", "The 32-token tile's full-tile path on its small weights"); the 64-token
+// build lost 2.2-2.5% on a small weight with it, the 12-warp one 3.4% on the o weight
+#define FULL_TILE_PATH (MM_TOKENS == 32 || (MM_TOKENS == 128 && !CHUNKS_PAST_TILE))
 #if ROW_STRIDE % 8 != 0
 #error "the activation tile's chunks must be 8-token groups apart"
 #endif
