@@ -31,7 +31,8 @@
 // + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and mma j takes its codes 4j ..
 // 4j + 3: fragment slots (2t, 2t + 1) and (2t + 8, 2t + 9) of mma j are k 4j + {0, 1} and
 // 4j + {2, 3} of lane t's run, identically for both operands. Where K % 128 == 0 the weights come
-// in 16-byte loads and lane t's run is at position wide_pos(t) instead (trade_halves).
+// in 16-byte loads and lane t's run is at position wide_pos(t) instead (trade_halves); in the
+// columns build they stay as loaded and a chunk pair shares an mma as its columns (compute_pair_columns).
 #define STEP_K 256  // k one warp covers per step
 #include "matmul_4bit_common.cuh"
 
@@ -48,6 +49,16 @@
 #endif
 #if MM_FEW_ROWS && (MM_TOKENS != 8 || MM_FEW_ROWS > 8)
 #error "MM_FEW_ROWS is a build of the one-tile kernel (MM_TOKENS 8) for at most 8 rows"
+#endif
+// MM_COLUMNS (a form of the few-rows build, picked per GPU by the host): with 16-byte loads the free
+// token columns hold the second chunk of a pair instead of a trade between lanes
+// (compute_pair_columns): fewer shuffles and lookups of the L1 unit's, which pays where that unit
+// paces the call (an H200) and costs where the loads do (an H100: kernels/NOTES.md).
+#ifndef MM_COLUMNS
+#define MM_COLUMNS 0
+#endif
+#if MM_COLUMNS && (!MM_FEW_ROWS || MM_FEW_ROWS > 4)
+#error "MM_COLUMNS is a form of the few-rows build for at most 4 rows (two mma columns a row)"
 #endif
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower). NOTES.
@@ -116,7 +127,8 @@ struct Lane {
     i64 e_lo;
     int to_hi;  // elements from the first feature's row to the second's (8 rows, fewer when clamped)
     int t;  // the lane's run position in a chunk: lane % 4, or wide_pos of it with 16-byte loads
-    // The token row whose activations the lane reads in the first token tile (in the second, 8 on).
+    // The token row whose activations the lane reads in the first token tile (in the second, 8 on);
+    // in the few-rows build with 16-byte loads, the slot of its first piece, or -1 for none.
     // One tile: g clamped to the tile's last row, so at fewer than 8 rows lanes past M (never
     // stored) read a real row; held instead of g, which the step forms again from the thread's
     // index (held as well, it spilled at 128 registers on sm_80). Two tiles: g, as before
@@ -225,12 +237,16 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
 // Piece p (16 bytes, 8 k) of token row r sits in slot r * stride + p: one padding slot a row at
 // chunks of 64 (a quarter warp reads pieces 2t + h of rows 2q and 2q + 1: 8 different 16-byte bank
 // groups), four at chunks of 32 (pieces t of the same rows).
-template <int kChunk>
+// kCols (the columns build: chunks as mma columns, compute_pair_columns): its live lanes read
+// pieces 8c + 4t + j of rows 0 and 1, so a slot of padding every 8 pieces and rows 38 slots apart
+// put the 8 of them in 8 different 16-byte bank groups.
+template <int kChunk, bool kCols = false>
 __device__ __forceinline__ constexpr int act_slot(int row, int piece) {
+    if constexpr (kCols) return row * (ACT_ROW_CHUNKS + 6) + piece + (piece >> 3);
     return row * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) + piece;
 }
 
-#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + 4))  // slots of one stage, either padding
+#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + (MM_COLUMNS ? 6 : 4)))  // slots of one stage, any padding
 #define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)    // rows a block's threads cover
 #define ACT_ROWS_A_THREAD (MM_TOKENS / ACT_ROW_STRIDE)
 static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
@@ -256,20 +272,20 @@ __device__ __forceinline__ ActSource act_source(i64 m0, int rows, int K) {
 // except in the few-rows build, where most warps have no row: a branch lets them skip copies that,
 // predicated off, would still take the L1 unit's wavefronts, which pace the one-row call on an H200
 // (2% on the large weights there, kernels/NOTES.md).
-template <int kChunk>
+template <int kChunk, bool kCols>
 __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& s, const elem_t* __restrict__ A,
                                                   int k0, int K, bool copy = true) {
-    const int c = threadIdx.x % ACT_ROW_CHUNKS, slot = act_slot<kChunk>(threadIdx.x / ACT_ROW_CHUNKS, c);
+    const int c = threadIdx.x % ACT_ROW_CHUNKS, slot = act_slot<kChunk, kCols>(threadIdx.x / ACT_ROW_CHUNKS, c);
     const bool ok = k0 + 8 * c < K;
 #if MM_FEW_ROWS
     if (copy)
 #pragma unroll
         for (int i = 0; i < ACT_ROWS_A_THREAD; ++i)
             if (i < s.rows)
-                cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk>(1, 0),
+                cp_async16(tile + slot + i * ACT_ROW_STRIDE * act_slot<kChunk, kCols>(1, 0),
                            ok ? A + s.from + i * ACT_ROW_STRIDE * K + k0 : A, ok);
 #else
-    constexpr unsigned kRowBytes = 16 * act_slot<kChunk>(ACT_ROW_STRIDE, 0);  // a thread's rows apart
+    constexpr unsigned kRowBytes = 16 * act_slot<kChunk, kCols>(ACT_ROW_STRIDE, 0);  // a thread's rows apart
     const long long row_bytes = static_cast<long long>(sizeof(elem_t)) * ACT_ROW_STRIDE * K;
     cp_async16_rows<ACT_ROWS_A_THREAD, kRowBytes>(tile + slot, ok ? A + s.from + k0 : A, ok ? row_bytes : 0,
                                                   copy ? s.rows : 0, ok ? 16 : 0);
@@ -281,6 +297,58 @@ __device__ __forceinline__ void stage_activations(uint4* tile, const ActSource& 
 __device__ __forceinline__ void mma_zero(float c[4], const u32 a[4], u32 b0, u32 b1) {
     c[0] = c[1] = c[2] = c[3] = 0.0f;
     mma(c, a, b0, b1);
+}
+
+// Chunks c and c + 1 of a step in the few-rows build with 16-byte loads, as mma columns: at M <= 4 rows
+// an mma's 8 token columns have room for a row's two chunks, so the lanes keep their runs as loaded
+// (lane t: 32 k of chunk c + t / 2, no trade) and column 2m + s takes row m's activations from the
+// lanes whose run is in chunk c + s, zeros from the others. Column 2t + s of the result is then
+// chunk c + s of token t, each scaled by its chunk's scale into lane t's acc[0][0] (feature g) and
+// acc[0][2] (g + 8), in chunk order as the other builds; columns_to_tokens moves them for the
+// epilogue. Same products and scales as the trading path; only the order of the fp32 sums inside
+// a chunk differs (kernels/NOTES.md, "Chunks as mma columns").
+template <int kChunk, bool kTail, bool kNextInside>
+__device__ __forceinline__ void compute_pair_columns(float (&acc)[NT8][4], StepWeights<kChunk>& w, int c, bool more,
+                                                     const uint4* tile, const u32* table, int step, const Lane& ln,
+                                                     int K, u32 lane_bytes, int quad, const float (&s_lo)[1],
+                                                     const float (&s_hi)[1]) {
+    float sc[2][2];                // [chunk c + s][feature g, g + 8], from the lanes that loaded them
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        sc[h][0] = __shfl_sync(0xffffffffu, s_lo[0], quad | wide_pos((c + h) % 4));
+        sc[h][1] = __shfl_sync(0xffffffffu, s_hi[0], quad | wide_pos((c + h) % 4));
+    }
+    float part[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // word j of the lane's 16 bytes: k 32t + 8j .. + 7 of the pair
+        const u32 word_lo = j < 2 ? w.lo[c].w[j] : w.lo[c + 1].w[j - 2];
+        const u32 word_hi = j < 2 ? w.hi[c].w[j] : w.hi[c + 1].w[j - 2];
+        // Piece 8c + 4t + j of the lane's row: act_slot<64, true> is its first piece's slot + 9c + j.
+        const uint4 act = ln.act_row >= 0 ? tile[ln.act_row + 9 * c + j] : make_uint4(0u, 0u, 0u, 0u);
+        const PairAddresses lo = pair_addresses(word_lo, lane_bytes);
+        const PairAddresses hi = pair_addresses(word_hi, lane_bytes);
+        const u32 a0[4] = {lookup<0>(table, lo), lookup<0>(table, hi), lookup<1>(table, lo), lookup<1>(table, hi)};
+        const u32 a1[4] = {lookup<2>(table, lo), lookup<2>(table, hi), lookup<3>(table, lo), lookup<3>(table, hi)};
+        if (j == 0)
+            mma_zero(part, a0, act.x, act.y);
+        else
+            mma(part, a0, act.x, act.y);
+        mma(part, a1, act.z, act.w);
+    }
+    if (!kTail && more) load_pair<kChunk, kNextInside>(w, c, step + 1, ln, K);
+    acc[0][0] = __fmaf_rn(sc[1][0], part[1], __fmaf_rn(sc[0][0], part[0], acc[0][0]));
+    acc[0][2] = __fmaf_rn(sc[1][1], part[3], __fmaf_rn(sc[0][1], part[2], acc[0][2]));
+}
+
+// After compute_pair_columns: lane t holds token t; the epilogue wants tokens 2t and 2t + 1 (the
+// mma's layout), so lanes t < 2 gather them from their quad (the others hold tokens past 4: never stored).
+__device__ __forceinline__ void columns_to_tokens(float (&acc)[NT8][4]) {
+    const unsigned quad = threadIdx.x & 0x1c, t = threadIdx.x & 3;
+    const float lo0 = __shfl_sync(0xffffffffu, acc[0][0], quad | ((2 * t) & 3));
+    const float lo1 = __shfl_sync(0xffffffffu, acc[0][0], quad | ((2 * t + 1) & 3));
+    const float hi0 = __shfl_sync(0xffffffffu, acc[0][2], quad | ((2 * t) & 3));
+    const float hi1 = __shfl_sync(0xffffffffu, acc[0][2], quad | ((2 * t + 1) & 3));
+    acc[0][0] = lo0, acc[0][1] = lo1, acc[0][2] = hi0, acc[0][3] = hi1;
 }
 
 // One step of a warp, from `w` (its weights and scale parts), which it refills with the next step's
@@ -302,6 +370,15 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
     }
     if (!kTail && more) load_scales<kChunk, kNextInside>(w, step + 1, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     const int quad = NT8 == 1 ? fresh_tid() & 0x1c : ln.act_row << 2;  // the feature pair's first lane, g * 4
+    if constexpr (kWide && MM_COLUMNS) {
+#pragma unroll
+        for (int c = 0; c < S::chunks; c += 2) {
+            if (kTail && step * STEP_K + c * kChunk >= K) break;
+            compute_pair_columns<kChunk, kTail, kNextInside>(acc, w, c, more, tile, table, step, ln, K, lane_bytes,
+                                                             quad, s_lo, s_hi);
+        }
+        return;
+    }
     const bool act_live = !MM_FEW_ROWS || quad < 4 * MM_FEW_ROWS;  // a lane of a row the build reads
 #pragma unroll
     for (int c = 0; c < S::chunks; ++c) {
@@ -365,7 +442,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[NT8][4], StepWeights<k
 template <int kChunk, bool kWide>
 __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT_ARGS) {
     if (first >= last) return;
-    stage_activations<kChunk>(s_act[0], src, A, first * STEP_K, K);
+    stage_activations<kChunk, kWide && MM_COLUMNS>(s_act[0], src, A, first * STEP_K, K);
     StepWeights<kChunk> w;
     load_step<kChunk, kWide>(w, first, ln, K, absmax, absmax2, bs_log2, bs2_log2);
     // The table after the first loads are issued: staging it overlaps their trip to memory.
@@ -377,7 +454,7 @@ __device__ __forceinline__ void run_split(float (&acc)[NT8][4], int first, SPLIT
         // This step's tile (and, the first time, the tables) visible to every warp, and every warp
         // done with the other stage (the step before), which the next step's tile refills.
         __syncthreads();
-        stage_activations<kChunk>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K, more);
+        stage_activations<kChunk, kWide && MM_COLUMNS>(s_act[stage ^ 1], src, A, (step + 1) * STEP_K, K, more);
         const uint4* tile = s_act[stage];
         if ((step + 2) * STEP_K <= K)
             compute_step<kChunk, kWide, false, true>(acc, w, more, tile, table, step, ln, K, lane_bytes, s_code2, offset,
@@ -451,9 +528,13 @@ extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4
         // Chunks of 64 k lie inside one scale block when blocks hold 64 or more and every row starts
         // at a multiple of 64 of the flattened weight; chunks of 32 always do (K % 32 == 0, blocks >= 32).
         if (K % 128 == 0 && bs_log2 >= 6) {
+            // compute_pair_columns: column 2m + s reads row m from the lanes of chunk s, the others nothing.
+            if constexpr (MM_COLUMNS)  // here the slot of the lane's first piece (compute_pair_columns)
+                ln.act_row = g < 2 * rows && (t >> 1) == (g & 1) ? act_slot<64, true>(g >> 1, 4 * t) : -1;
             with_chunk<64, true>(ln, W, t);
             run<64, true>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset,
                           bs_log2, bs2_log2);
+            if constexpr (MM_COLUMNS) columns_to_tokens(acc);
         } else if (K % 64 == 0 && bs_log2 >= 6) {
             with_chunk<64, false>(ln, W, t);
             run<64, false>(acc, s_act, s_pairs, first, last, ln, A, m0, rows, K, absmax, absmax2, s_code2, offset, bs_log2,

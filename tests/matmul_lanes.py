@@ -2,8 +2,9 @@
 loads, how it turns them into mma fragments, and where the accumulators land, transcribed from
 kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more), kernels/matmul_4bit_m8.cu (``M8``,
 its prmt table lookups included), kernels/matmul_4bit_m8_pairs.cu (``M8P_64`` and ``M8P_32``:
-chunks of 64 or 32 k, the pair table's lookups included) and kernels/matmul_4bit_sm90.cu (WIDE's
-lanes, its pair table from 64 tokens: ``SM90_PAIRS``); the mma itself is assembled from its
+chunks of 64 or 32 k, the pair table's lookups included; ``emulate_pair_columns``: its columns
+build, MM_COLUMNS) and kernels/matmul_4bit_sm90.cu (WIDE's lanes, its pair table from 64 tokens:
+``SM90_PAIRS``); the mma itself is assembled from its
 fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32
 accumulators).
 
@@ -169,7 +170,7 @@ def _act_slot(file: str) -> Callable[[int, int, int], int]:
 
 
 def _tile_slots(file: str) -> Callable[[int, int], int]:
-    return _source_expression(file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS")
+    return _source_expression(file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0")
 
 
 # The chunk each lane reads for its mma j, as each kernel writes it.
@@ -268,7 +269,9 @@ M8 = Layout(
 def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
     """act_slot<chunk_k> of kernels/matmul_4bit_m8_pairs.cu, as (row, piece, pieces a row)."""
     slot = _source_expression(
-        _M8P, r"int act_slot\(int row, int piece\) \{\s+return ([^;]+);", "row, piece, ACT_ROW_CHUNKS, kChunk"
+        _M8P,
+        r"int act_slot\(int row, int piece\) \{\s+if constexpr \(kCols\) return [^;]+;\s+return ([^;]+);",
+        "row, piece, ACT_ROW_CHUNKS, kChunk",
     )
     return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
 
@@ -581,4 +584,100 @@ def emulate_sm90(
                         n, m = n0 + 16 * w + r, m0 + 8 * i + c
                         if m < M and n < N:
                             out[m, n] = acc[16 * w + r, 8 * i + c]
+    return out
+
+
+# --- the columns build (MM_COLUMNS): a pair of chunks as an mma's columns (compute_pair_columns) --
+# The tile's slots in that build, the lane's first piece (or none), its piece for word j of chunk pair
+# c, and the lanes columns_to_tokens gathers tokens 2t and 2t + 1 from, all read from the source.
+COLS_SLOT = _source_expression(_M8P, r"if constexpr \(kCols\) return ([^;]+);", "row, piece, ACT_ROW_CHUNKS")
+_COLS_LIVE_TEXT = re.search(r"ln\.act_row = (.+?) \? act_slot<64, true>", _M8P_SOURCE)
+assert _COLS_LIVE_TEXT, f"kernels/{_M8P} no longer says which lanes of the columns build read where this reads it"
+_COLS_LIVE = eval("lambda g, t, rows: " + _COLS_LIVE_TEXT.group(1).replace("&&", " and "))  # the source's own test
+_COLS_ROW = _source_expression(_M8P, r"\? act_slot<64, true>\((.+?), [^)]+\) : -1;", "g")
+_COLS_PIECE0 = _source_expression(_M8P, r"\? act_slot<64, true>\([^,]+, (.+?)\) : -1;", "t")
+_COLS_OFFSET = _source_expression(_M8P, r"tile\[ln\.act_row \+ ([^\]]+)\]", "c, j")
+_COLS_GATHER = [
+    _source_expression(_M8P, rf"const float lo{i} = __shfl_sync\(0xffffffffu, acc\[0\]\[0\], quad \| ([^;]+)\);", "t")
+    for i in range(2)
+]
+
+
+def columns_first_slot(lane: int, rows: int) -> int | None:
+    """The slot of the lane's first piece in the columns build, or None where it reads nothing."""
+    g, t = lane // 4, lane % 4
+    if not _COLS_LIVE(g, t, rows):
+        return None
+    return COLS_SLOT(_COLS_ROW(g), _COLS_PIECE0(t), STEP_K_M8 // 8)
+
+
+def emulate_pair_columns(
+    A: torch.Tensor, packed: bytes, chunk_scales: torch.Tensor, code: list[float], N: int, K: int
+) -> torch.Tensor:
+    """out [M, N] (M <= 4) in float64 as compute_pair_columns and columns_to_tokens compute it: each
+    lane's 16-byte load as loaded (32 k of chunk c + t // 2), column 2m + s of each mma fed by the lanes
+    of chunk c + s with row m's activations (the staged tile, the kernel's slots), zeros from the
+    others; each column's sum times its chunk's scale (``chunk_scales`` [N, K / 64]); then the epilogue's
+    gather and store."""
+    M = A.shape[0]
+    assert M <= 4 and K % 128 == 0
+    act = A.double()
+    row_chunks = STEP_K_M8 // 8
+    out = torch.zeros(M, N, dtype=torch.float64)
+    for n0 in range(0, N, 16):
+        acc = torch.zeros(32, 2, dtype=torch.float64)  # lane -> (feature g, g + 8) of token t
+        for step in range(-(-K // STEP_K_M8)):
+            tile = {}
+            for r in range(8):  # stage_activations: rows past M not staged (NaN), zeros past K
+                for p in range(row_chunks):
+                    k = step * STEP_K_M8 + 8 * p
+                    slot = COLS_SLOT(r, p, row_chunks)
+                    assert slot not in tile and 0 <= slot < _tile_slots(_M8P)(8, row_chunks, 1)
+                    zeros, nan = (
+                        torch.zeros(8, dtype=torch.float64),
+                        torch.full((8,), float("nan"), dtype=torch.float64),
+                    )
+                    tile[slot] = nan if r >= M else (act[r, k : k + 8] if k < K else zeros)
+            for c in range(0, STEP_K_M8 // 64, 2):
+                k_pair = step * STEP_K_M8 + 64 * c
+                if k_pair >= K:
+                    break
+                part = torch.zeros(16, 8, dtype=torch.float64)
+                for j, h in itertools.product(range(4), range(2)):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        k = k_pair + 32 * t  # the lane's 16-byte load
+                        vals = {}
+                        for which, n in (("lo", n0 + g), ("hi", n0 + g + 8)):
+                            if n < N:
+                                run = packed[(n * K + k) // 2 : (n * K + k) // 2 + 16]
+                                vals[which] = decode_pairs(int.from_bytes(run[4 * j : 4 * j + 4], "little"), 1.0, code)
+                            else:
+                                vals[which] = [0.0] * 8
+                        lo, hi = vals["lo"][4 * h : 4 * h + 4], vals["hi"][4 * h : 4 * h + 4]
+                        regs = [[lo[0], lo[1]], [hi[0], hi[1]], [lo[2], lo[3]], [hi[2], hi[3]]]
+                        for reg, half in itertools.product(range(4), range(2)):
+                            a[a_fragment_position(lane, reg, half)] = regs[reg][half]
+                        first = columns_first_slot(lane, M)
+                        none = torch.zeros(8, dtype=torch.float64)
+                        elems = none if first is None else tile[first + _COLS_OFFSET(c, j)]
+                        regs_b = [[elems[4 * h], elems[4 * h + 1]], [elems[4 * h + 2], elems[4 * h + 3]]]
+                        for reg, half in itertools.product(range(2), range(2)):
+                            b[b_fragment_position(lane, reg, half)] = regs_b[reg][half]
+                    part += a @ b
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for f, n in ((0, n0 + g), (1, n0 + g + 8)):
+                        if n < N:
+                            for s_ in range(2):  # column 2t + s: chunk c + s of token t
+                                acc[lane, f] += chunk_scales[n, k_pair // 64 + s_] * part[g + 8 * f, 2 * t + s_]
+        for lane in range(32):  # columns_to_tokens, then the epilogue (token 2t + (index & 1))
+            g, t = lane // 4, lane % 4
+            for i, src in enumerate(_COLS_GATHER):
+                m = 2 * t + i
+                for f, n in ((0, n0 + g), (1, n0 + g + 8)):
+                    if m < M and n < N:
+                        out[m, n] = acc[4 * g + src(t), f]
     return out

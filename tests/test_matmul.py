@@ -73,6 +73,45 @@ def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_o
             matmul_kernel.MatmulVariant("bf16", "nf4", bad[0], bad[1], True)
 
 
+def test_the_columns_form_is_the_few_rows_builds_where_the_gpu_pays_for_it_only():
+    """``variant_for(columns=True)`` (a GPU of ``columns_on``) gives the few-rows calls, and only
+    them, the columns form: its own name and macro, the same kernel source, built for sm_90 only; the
+    rule's two measured GPUs fall on its two sides."""
+    calls = itertools.product(matmul_kernel.DTYPES, matmul_kernel.QUANT_TYPES, (False, True), range(1, 20))
+    for dtype, quant, nested, m in calls:
+        without = matmul_kernel.variant_for(dtype, quant, nested, m, LARGE)
+        v = matmul_kernel.variant_for(dtype, quant, nested, m, LARGE, columns=True)
+        assert v.columns == v.few_rows == without.few_rows, (nested, m)
+        assert dataclasses.replace(v, columns=False) == without
+        assert v in matmul_kernel.all_variants("sm_90")
+        assert dict(v.macros("sm_90")).get("MM_COLUMNS") == ("1" if v.columns else None)
+        assert v.build("sm_90") == without.build("sm_90")
+        if v.columns:
+            assert v.name == without.name + "-cols"
+            assert not any(v.builds_on(arch) for arch in ("sm_80", "sm_86", "sm_89"))
+    with pytest.raises(ValueError, match="columns form"):
+        matmul_kernel.MatmulVariant("bf16", "nf4", True, 8, False, columns=True)
+    # DRAM bandwidth (NVML's theoretical, as the grid sweeps recorded it), SMs, SM clock.
+    assert matmul_kernel.columns_pay(4814.304e9, 132, 1980e6)  # H200: 18.4 bytes an SM cycle
+    assert not matmul_kernel.columns_pay(3352.32e9, 132, 1980e6)  # H100 SXM: 12.8
+    assert not matmul_kernel.columns_pay(2039e9, 108, 1410e6)  # A100 SXM 80 GB: 13.4 (and not sm_90)
+
+
+@pytest.mark.gpu
+def test_this_gpu_runs_the_columns_form_by_its_own_figures(cuda):
+    """``columns_on`` reads the driver's DRAM clock, bus width, SMs and SM clock; on the two GPUs the
+    choice was measured on it gives the measured answer, and a call of one row runs that form."""
+    name = torch.cuda.get_device_name(cuda.index)
+    measured = {"NVIDIA H200": True, "NVIDIA H100 80GB HBM3": False}
+    if name not in measured:
+        pytest.skip(f"the columns form was measured on {sorted(measured)}, not on {name}")
+    assert matmul_kernel.columns_on(cuda.index) == measured[name]
+    B, qs, _ = _weights(64, 512, "nf4", 64, True, torch.bfloat16, 0, cuda)
+    A = torch.randn(1, 512, device=cuda, dtype=torch.bfloat16)
+    decided = matmul.decide(A, B.t(), *dequantize.quant_state_args(qs), None, None, matmul_kernel.plan)
+    assert decided.plan.main.label.endswith("-cols") == measured[name], decided.plan.main.label
+
+
 def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the_pair_table_kernel():
     """Where a launch is mostly its fixed cost (kernels/NOTES.md, "17-32 rows of a small weight as two
     16-token tiles"): nested weights of at most TWO_TILE_ELEMENTS, 17-32 rows; not plain ones, not
@@ -1036,6 +1075,39 @@ def test_16_byte_loads_leave_each_lane_16_k_of_both_chunks_at_its_run_position(r
     for t, (first, second) in enumerate(runs):
         at = 8 * ml.WIDE_POS(t)
         assert (first, second) == (pair[at : at + 8], pair[32 + at : 32 + at + 8]), t
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 40, 256), (2, 24, 384), (2, 16, 640)])
+def test_the_few_rows_columns_path_places_every_weight_and_chunk_once(run_seed, M, N, K):
+    """kernels/matmul_4bit_m8_pairs.cu's columns build with 16-byte loads (compute_pair_columns,
+    columns_to_tokens): each lane's runs as loaded, an mma's column 2m + s fed row m of chunk s by the
+    lanes of that chunk, each column scaled by its chunk's scale, then gathered for the epilogue, as
+    tests/matmul_lanes.py transcribes them from the source, must compute A · Wᵀ with one scale per
+    64 k (K = 640 ends in a partial step; N = 24, 40: features past N)."""
+    from tests import matmul_lanes
+
+    A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
+    chunk_scales = scales[:, 0::2]  # this path's blocks hold 64 or more
+    W = W / scales.repeat_interleave(32, dim=1) * chunk_scales.repeat_interleave(64, dim=1)
+    got = matmul_lanes.emulate_pair_columns(A, packed, chunk_scales, code, N, K)
+    torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_the_columns_path_reads_and_writes_the_activation_tile_without_bank_conflicts():
+    """In the columns build with 16-byte loads, the lanes that read the tile (4 a row) hit
+    different 16-byte bank groups for every word of every chunk pair, at each row count the build
+    runs, and stage_activations' writes of a row's consecutive pieces hit 8 groups a quarter warp."""
+    from tests import matmul_lanes as ml
+
+    row_chunks = matmul_kernel.STEP_K_M8 // 8
+    for rows in range(1, matmul_kernel.FEW_ROWS + 1):
+        firsts = [f for lane in range(32) if (f := ml.columns_first_slot(lane, rows)) is not None]
+        assert len(firsts) == 4 * rows
+        for c, j in itertools.product(range(0, matmul_kernel.STEP_K_M8 // 64, 2), range(4)):
+            assert len({(f + ml._COLS_OFFSET(c, j)) % 8 for f in firsts}) == len(firsts), (rows, c, j)
+    for r in range(8):
+        slots = [ml.COLS_SLOT(r, p, row_chunks) for p in range(row_chunks)]
+        assert all(len(groups) == 8 for groups in ml.bank_groups_of_quarter_warps(slots)), r
 
 
 def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_seed):

@@ -173,12 +173,13 @@ def test_size_classes_cover_every_case():
     assert [c.name for c in policy.SIZE_CLASSES] == ["large", "mid", "small"]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
-    """On an A100 and on an H100 (the Hopper builds, picked per weight: ``pick_plan``), each fused
-    build of the bf16 nf4 drop-in (token tile, scales, the few-rows build, the 128-token tile's two
-    Hopper builds) is timed by some matmul case, and a case past the largest tile times
-    dequantize + F.linear: a kernel the gate never times could get slower unseen."""
+@pytest.mark.parametrize(("arch", "columns"), [("sm_80", False), ("sm_90", False), ("sm_90", True)])
+def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch, columns):
+    """On an A100, an H100 and an H200 (the Hopper builds, picked per weight: ``pick_plan``; the
+    few-rows build's columns form where the GPU runs it: ``columns_on``), each fused build of the
+    bf16 nf4 drop-in (token tile, scales, the few-rows build, the 128-token tile's two Hopper builds)
+    is timed by some matmul case, and a case past the largest tile times dequantize + F.linear: a
+    kernel the gate never times could get slower unseen."""
     import dataclasses
 
     from harness.runtime import matmul_kernel
@@ -195,10 +196,14 @@ def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch):
     timed = set()
     for c in (c for c in cases if c.tokens <= largest):
         N, K = c.weight.shape
-        variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens, N * K)
+        variant = matmul_kernel.variant_for(c.dtype, c.quant, c.nested, c.tokens, N * K, columns=columns)
         picked = matmul_kernel.pick_plan(variant, 0, c.tokens, N, K, plan_of)
         timed.add(dataclasses.replace(variant, warps=picked.warps))  # the build whose plan the call took
-    builds = {v for v in matmul_kernel.all_variants(arch) if (v.dtype, v.quant_type) == ("bf16", "nf4")}
+    builds = {
+        v
+        for v in matmul_kernel.all_variants(arch)
+        if (v.dtype, v.quant_type) == ("bf16", "nf4") and not (v.few_rows and v.columns != columns)
+    }
     assert timed == builds, sorted(v.name for v in builds - timed)
     assert any(c.tokens > largest for c in cases)
 

@@ -219,7 +219,8 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
 def _variant(
     A: torch.Tensor, quant_type: str, nested: bool, M: int, elements: int, warps: int = 0, tokens: int = 0
 ) -> matmul_kernel.MatmulVariant:
-    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps, tokens)
+    columns = matmul_kernel.columns_on(A.device.index)
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps, tokens, columns)
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> torch.Tensor:

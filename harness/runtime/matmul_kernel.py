@@ -181,6 +181,18 @@ FINISH_THREADS = 256
 # live, 0-2.4% slower, and at 4 rows it gained on two weights and lost on a third (H200 and H100,
 # kernels/NOTES.md): the build is kept to the rows where its reads fit one wavefront.
 FEW_ROWS = 2
+# The few-rows build's columns form (MM_COLUMNS: a chunk pair as an mma's token columns, no trade of
+# halves between lanes): fewer of the L1 unit's shuffles and lookups for the same loads. It pays where
+# the L1 unit paces the one-row call, a GPU whose DRAM brings each SM many bytes a cycle, and costs
+# where the loads do: an H200 (18.4 bytes an SM cycle) faster, an H100 SXM (12.8) 7-8% slower
+# (kernels/NOTES.md, "Chunks as mma columns", "The columns build per GPU"). Taken from this rate up,
+# and built for the arch both were measured on only (WGMMA_TARGETS').
+COLUMNS_BYTES_PER_SM_CYCLE = 16.0
+
+
+def columns_pay(dram_bytes_per_s: float, sms: int, sm_clock_hz: float) -> bool:
+    """Whether a GPU of this DRAM bandwidth, SM count and SM clock runs the columns form."""
+    return dram_bytes_per_s / (sms * sm_clock_hz) >= COLUMNS_BYTES_PER_SM_CYCLE
 
 
 @dataclass(frozen=True)
@@ -191,12 +203,15 @@ class MatmulVariant:
     tokens: int
     few_rows: bool = False  # the few-rows build (FEW_ROWS) of the one-tile pair-table kernel
     warps: int = 0  # warps a block: the tile's WARPS (0), or WIDE_WARPS' where the tile has them
+    columns: bool = False  # the few-rows build's columns form (COLUMNS_BYTES_PER_SM_CYCLE)
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.quant_type not in QUANT_TYPES or self.tokens not in TOKEN_TILES:
             raise ValueError(f"no such matmul variant: {self}")
         if self.few_rows and not (self.nested and self.tokens == DECODE_TILES[0]):
             raise ValueError(f"the few-rows build is the nested {DECODE_TILES[0]}-token kernel's only: {self}")
+        if self.columns and not self.few_rows:
+            raise ValueError(f"the columns form is the few-rows build's only: {self}")
         if not self.warps:
             object.__setattr__(self, "warps", block_warps(self.tokens))  # frozen: set once, here
         if self.warps not in (WARPS[self.tokens], WIDE_WARPS.get(self.tokens)):
@@ -205,11 +220,14 @@ class MatmulVariant:
     @property
     def name(self) -> str:
         scales, few = "nested" if self.nested else "plain", "-few" if self.few_rows else ""
-        return f"mm4-{self.quant_type}-{self.dtype}-{scales}-m{self.tokens}-w{self.warps}{few}"
+        cols = "-cols" if self.columns else ""
+        return f"mm4-{self.quant_type}-{self.dtype}-{scales}-m{self.tokens}-w{self.warps}{few}{cols}"
 
     def builds_on(self, arch: str) -> bool:
         """Whether this variant is built for a GPU of ``arch``: the WIDE_WARPS builds only where the
-        wgmma kernel runs them (on sm_80 its 12 warps would spill)."""
+        wgmma kernel runs them (on sm_80 its 12 warps would spill), the columns form only there too."""
+        if self.columns:
+            return arch in WGMMA_TARGETS
         return self.warps == WARPS[self.tokens] or arch in WGMMA_TARGETS
 
     def alternative(self, arch: str) -> MatmulVariant | None:
@@ -281,13 +299,17 @@ class MatmulVariant:
         )
         # Set only where they apply, so the other builds' specs stay as they were.
         few = (("MM_FEW_ROWS", str(FEW_ROWS)),) if self.few_rows else ()
-        return base + few + ((("MM_DEEP", "1"),) if self.deep(arch) else ())
+        cols = (("MM_COLUMNS", "1"),) if self.columns else ()
+        return base + few + cols + ((("MM_DEEP", "1"),) if self.deep(arch) else ())
 
 
 def all_variants(arch: str | None = None) -> list[MatmulVariant]:
     """Every build a call can launch; with ``arch``, those built for a GPU of it (``builds_on``)."""
     every = [MatmulVariant(*v) for v in itertools.product(DTYPES, QUANT_TYPES, (False, True), TOKEN_TILES)]
-    few = [MatmulVariant(d, q, True, DECODE_TILES[0], True) for d, q in itertools.product(DTYPES, QUANT_TYPES)]
+    few = [
+        MatmulVariant(d, q, True, DECODE_TILES[0], True, columns=columns)
+        for d, q, columns in itertools.product(DTYPES, QUANT_TYPES, (False, True))
+    ]
     wide = [
         MatmulVariant(d, q, nested, tokens, warps=warps)
         for (tokens, warps), d, q, nested in itertools.product(WIDE_WARPS.items(), DTYPES, QUANT_TYPES, (False, True))
@@ -296,17 +318,26 @@ def all_variants(arch: str | None = None) -> list[MatmulVariant]:
 
 
 def variant_for(
-    dtype: str, quant_type: str, nested: bool, m: int, elements: int, warps: int = 0, tokens: int = 0
+    dtype: str,
+    quant_type: str,
+    nested: bool,
+    m: int,
+    elements: int,
+    warps: int = 0,
+    tokens: int = 0,
+    columns: bool = False,
 ) -> MatmulVariant:
     """The variant that multiplies ``m`` rows of a weight of ``elements`` (N * K): its token tile
     (``tile_for``; ``tokens``, one of the call's ``tile_choices``, instead where given: the grid
     sweep times each), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
-    build; ``warps`` a block (0: the tile's WARPS; a call may take its alternative: ``pick_plan``).
-    Raises ValueError for a tile the call cannot run."""
+    build, in its columns form where ``columns`` (the GPU's: ``columns_on``); ``warps`` a block (0: the
+    tile's WARPS; a call may take its alternative: ``pick_plan``). Raises ValueError for a tile the
+    call cannot run."""
     if tokens and tokens not in tile_choices(m, nested):
         raise ValueError(f"a call of {m} rows does not run the {tokens}-token tile")
     tile = tokens or tile_for(m, nested, elements)
-    return MatmulVariant(dtype, quant_type, nested, tile, nested and m <= FEW_ROWS, warps)
+    few = nested and m <= FEW_ROWS
+    return MatmulVariant(dtype, quant_type, nested, tile, few, warps, few and columns)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
@@ -743,6 +774,19 @@ def _sm_count(device_index: int) -> int:
     from cuda.core import Device
 
     return Device(device_index).properties.multiprocessor_count
+
+
+@functools.cache
+def columns_on(device_index: int) -> bool:
+    """Whether this GPU's few-rows calls run the columns form: built for its arch, and ``columns_pay``
+    by the driver's figures (DRAM clock in kHz, double data rate, bus width in bits; SM clock in kHz)."""
+    from cuda.core import Device
+
+    if launcher.device_arch(device_index) not in WGMMA_TARGETS:
+        return False
+    props = Device(device_index).properties
+    dram = 2 * props.memory_clock_rate * 1e3 * props.global_memory_bus_width / 8
+    return columns_pay(dram, props.multiprocessor_count, props.clock_rate * 1e3)
 
 
 def launch_args(
