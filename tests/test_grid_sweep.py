@@ -256,8 +256,9 @@ RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid
 # rule change that picks slower grids on a GPU it was measured on fails here, without a GPU. Both
 # sweeps' 8-token cases time the pair-table kernel with 16-byte weight loads (nested weights),
 # whose rule (waves, clusters of any size in one wave, and a clustered pair) gives 1.022 on the H100
-# and 1.014 on the H200 (1.045 and 1.034 before the clusters' refit; the busiest-SM rule before it
-# 1.101 and 1.077 on 8-byte loads); the 16-row cases the 16-token pair-table kernel (1.0031 and
+# and 1.017 on the H200, whose one-row cases time the few-rows build's columns form (1.014 on the
+# build before; 1.045 and 1.034 before the clusters' refit; the busiest-SM rule before it 1.101 and
+# 1.077 on 8-byte loads); the 16-row cases the 16-token pair-table kernel (1.0031 and
 # 1.0059 with its finish priced at 6 steps; 1.0033 and 1.0074 at 2; 1.039 and 1.038 before the
 # refit); the wider tiles together (16-128 rows) 1.004 on the H100 and 1.009 on the H200, whose
 # 128-row cases time the 128-token tile on the waves rule with splits down to 2 steps (1.003 and
