@@ -128,7 +128,7 @@ struct Lane {
     int to_hi;  // elements from the first feature's row to the second's (8 rows, fewer when clamped)
     int t;  // the lane's run position in a chunk: lane % 4, or wide_pos of it with 16-byte loads
     // The token row whose activations the lane reads in the first token tile (in the second, 8 on);
-    // in the few-rows build with 16-byte loads, the slot of its first piece, or -1 for none.
+    // in the columns build with 16-byte loads, the slot of its first piece, or -1 for none.
     // One tile: g clamped to the tile's last row, so at fewer than 8 rows lanes past M (never
     // stored) read a real row; held instead of g, which the step forms again from the thread's
     // index (held as well, it spilled at 128 registers on sm_80). Two tiles: g, as before
@@ -299,7 +299,7 @@ __device__ __forceinline__ void mma_zero(float c[4], const u32 a[4], u32 b0, u32
     mma(c, a, b0, b1);
 }
 
-// Chunks c and c + 1 of a step in the few-rows build with 16-byte loads, as mma columns: at M <= 4 rows
+// Chunks c and c + 1 of a step in the columns build with 16-byte loads, as mma columns: at M <= 4 rows
 // an mma's 8 token columns have room for a row's two chunks, so the lanes keep their runs as loaded
 // (lane t: 32 k of chunk c + t / 2, no trade) and column 2m + s takes row m's activations from the
 // lanes whose run is in chunk c + s, zeros from the others. Column 2t + s of the result is then

@@ -74,27 +74,46 @@ def test_the_few_rows_build_runs_the_nested_one_tile_calls_of_at_most_few_rows_o
 
 
 def test_the_columns_form_is_the_few_rows_builds_where_the_gpu_pays_for_it_only():
-    """``variant_for(columns=True)`` (a GPU of ``columns_on``) gives the few-rows calls, and only
-    them, the columns form: its own name and macro, the same kernel source, built for sm_90 only; the
+    """The few-rows build, and only it, has a columns form (``plan`` gives its plan on a GPU of
+    ``columns_on``): its own name and macro, the same kernel source, built for sm_90 only; the
     rule's two measured GPUs fall on its two sides."""
     calls = itertools.product(matmul_kernel.DTYPES, matmul_kernel.QUANT_TYPES, (False, True), range(1, 20))
     for dtype, quant, nested, m in calls:
         without = matmul_kernel.variant_for(dtype, quant, nested, m, LARGE)
-        v = matmul_kernel.variant_for(dtype, quant, nested, m, LARGE, columns=True)
-        assert v.columns == v.few_rows == without.few_rows, (nested, m)
-        assert dataclasses.replace(v, columns=False) == without
+        if not without.few_rows:
+            with pytest.raises(ValueError, match="columns form"):
+                dataclasses.replace(without, columns=True)
+            continue
+        v = dataclasses.replace(without, columns=True)
         assert v in matmul_kernel.all_variants("sm_90")
-        assert dict(v.macros("sm_90")).get("MM_COLUMNS") == ("1" if v.columns else None)
+        assert dict(v.macros("sm_90")).get("MM_COLUMNS") == "1" and "MM_COLUMNS" not in dict(without.macros("sm_90"))
         assert v.build("sm_90") == without.build("sm_90")
-        if v.columns:
-            assert v.name == without.name + "-cols"
-            assert not any(v.builds_on(arch) for arch in ("sm_80", "sm_86", "sm_89"))
+        assert v.name == without.name + "-cols"
+        assert not any(v.builds_on(arch) for arch in ("sm_80", "sm_86", "sm_89"))
     with pytest.raises(ValueError, match="columns form"):
         matmul_kernel.MatmulVariant("bf16", "nf4", True, 8, False, columns=True)
     # DRAM bandwidth (NVML's theoretical, as the grid sweeps recorded it), SMs, SM clock.
     assert matmul_kernel.columns_pay(4814.304e9, 132, 1980e6)  # H200: 18.4 bytes an SM cycle
     assert not matmul_kernel.columns_pay(3352.32e9, 132, 1980e6)  # H100 SXM: 12.8
     assert not matmul_kernel.columns_pay(2039e9, 108, 1410e6)  # A100 SXM 80 GB: 13.4 (and not sm_90)
+
+
+@pytest.mark.parametrize("runs_columns", [False, True])
+def test_plan_gives_the_few_rows_calls_the_form_their_gpu_runs(monkeypatch, runs_columns):
+    """``plan`` is where the form is chosen (a caller's ``plan_of`` stands in for it): on a GPU of
+    ``columns_on`` a few-rows build's plan is its columns form's, kept under both; elsewhere its own;
+    other builds never move. (Plans stood in by markers in the cache: no GPU is asked.)"""
+    few = matmul_kernel.variant_for("bf16", "nf4", True, 1, LARGE)
+    other = matmul_kernel.variant_for("bf16", "nf4", True, 8, LARGE)
+    cols = dataclasses.replace(few, columns=True)
+    monkeypatch.setattr(matmul_kernel, "columns_on", lambda device_index: runs_columns)
+    monkeypatch.setattr(matmul_kernel, "_plans", {(v, 7): f"plan of {v.name}" for v in (cols, other)})
+    if not runs_columns:
+        matmul_kernel._plans[(few, 7)] = f"plan of {few.name}"
+    assert matmul_kernel.plan(few, 7) == f"plan of {(cols if runs_columns else few).name}"
+    assert matmul_kernel.plan(other, 7) == f"plan of {other.name}"
+    assert matmul_kernel.plan(cols, 7) == f"plan of {cols.name}"
+    assert matmul_kernel._plans[(few, 7)] == matmul_kernel.plan(few, 7)
 
 
 @pytest.mark.gpu

@@ -261,13 +261,12 @@ def tile_reference(variant: matmul_kernel.MatmulVariant, x, B, qs, W) -> mr.Refe
     return mr.kernel_reference(mr.arithmetic_of_tile(variant.tokens, variant.nested), x, B, qs, W, None, x.dtype)
 
 
-def tile_variants(M: int, N: int, K: int, columns: bool = False) -> list[matmul_kernel.MatmulVariant]:
-    """The builds a sweep times for a call of ``M`` rows of an N x K weight (nested nf4, bf16) on a GPU
-    whose few-rows calls run the columns form or not (``matmul_kernel.columns_on``): the rules'
-    variant first, then one of each other token tile the call may run (``tile_choices``)."""
+def tile_variants(M: int, N: int, K: int) -> list[matmul_kernel.MatmulVariant]:
+    """The builds a sweep times for a call of ``M`` rows of an N x K weight (nested nf4, bf16): the
+    rules' variant first, then one of each other token tile the call may run (``tile_choices``)."""
     chosen = matmul_kernel.tile_for(M, True, N * K)
     tiles = [chosen] + [t for t in matmul_kernel.tile_choices(M, True) if t != chosen]
-    return [matmul_kernel.variant_for("bf16", "nf4", True, M, N * K, tokens=t, columns=columns) for t in tiles]
+    return [matmul_kernel.variant_for("bf16", "nf4", True, M, N * K, tokens=t) for t in tiles]
 
 
 def sweep(
@@ -286,7 +285,7 @@ def sweep(
 
     for layer, B, qs, W, x in cases.report_matmul_inputs(weights, rows, seed=5, device=device):
         (M, K), N = x.shape, W.shape[0]
-        variants = tile_variants(M, N, K, matmul_kernel.columns_on(device.index))
+        variants = tile_variants(M, N, K)
         times, runs, outside, tiles = {}, {}, {}, []
         for variant in variants:
             reference = tile_reference(variant, x, B, qs, W)  # each tile by its own arithmetic

@@ -219,10 +219,7 @@ def writes_directly(out, A: torch.Tensor, N: int) -> bool:
 def _variant(
     A: torch.Tensor, quant_type: str, nested: bool, M: int, elements: int, warps: int = 0, tokens: int = 0
 ) -> matmul_kernel.MatmulVariant:
-    # The GPU's form of the few-rows build; a host tensor (the call rules' tests describe calls on
-    # them, their plans stood in) has no GPU to ask.
-    columns = A.is_cuda and matmul_kernel.columns_on(A.device.index)
-    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps, tokens, columns)
+    return matmul_kernel.variant_for(ACTIVATION_NAME[A.dtype], quant_type, nested, M, elements, warps, tokens)
 
 
 def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int = 0, tokens: int = 0) -> torch.Tensor:

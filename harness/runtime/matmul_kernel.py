@@ -318,26 +318,18 @@ def all_variants(arch: str | None = None) -> list[MatmulVariant]:
 
 
 def variant_for(
-    dtype: str,
-    quant_type: str,
-    nested: bool,
-    m: int,
-    elements: int,
-    warps: int = 0,
-    tokens: int = 0,
-    columns: bool = False,
+    dtype: str, quant_type: str, nested: bool, m: int, elements: int, warps: int = 0, tokens: int = 0
 ) -> MatmulVariant:
     """The variant that multiplies ``m`` rows of a weight of ``elements`` (N * K): its token tile
     (``tile_for``; ``tokens``, one of the call's ``tile_choices``, instead where given: the grid
     sweep times each), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
-    build, in its columns form where ``columns`` (the GPU's: ``columns_on``); ``warps`` a block (0: the
-    tile's WARPS; a call may take its alternative: ``pick_plan``). Raises ValueError for a tile the
+    build (on a GPU that runs its columns form, ``plan`` gives that form's plan); ``warps`` a block (0:
+    the tile's WARPS; a call may take its alternative: ``pick_plan``). Raises ValueError for a tile the
     call cannot run."""
     if tokens and tokens not in tile_choices(m, nested):
         raise ValueError(f"a call of {m} rows does not run the {tokens}-token tile")
     tile = tokens or tile_for(m, nested, elements)
-    few = nested and m <= FEW_ROWS
-    return MatmulVariant(dtype, quant_type, nested, tile, few, warps, few and columns)
+    return MatmulVariant(dtype, quant_type, nested, tile, nested and m <= FEW_ROWS, warps)
 
 
 def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
@@ -733,8 +725,13 @@ _plans: dict[tuple, Plan] = {}
 
 
 def plan(variant: MatmulVariant, device_index: int) -> Plan:
+    """The plan of ``variant``'s calls on this GPU, made once: its build's, or, for the few-rows build
+    on a GPU that runs its columns form (``columns_on``), that form's; the one place the choice is
+    made, and so the one a caller's ``plan_of`` stands in for."""
     key = (variant, device_index)
-    if (hit := _plans.get(key)) is None:
+    if (hit := _plans.get(key)) is None and variant.few_rows and not variant.columns and columns_on(device_index):
+        hit = _plans[key] = plan(dataclasses.replace(variant, columns=True), device_index)
+    if hit is None:
         spec = functools.partial(spec_for, variant)
         arch = launcher.device_arch(device_index)
         shared = variant.dynamic_shared_bytes(arch)
