@@ -50,10 +50,11 @@
 #if MM_FEW_ROWS && (MM_TOKENS != 8 || MM_FEW_ROWS > 8)
 #error "MM_FEW_ROWS is a build of the one-tile kernel (MM_TOKENS 8) for at most 8 rows"
 #endif
-// MM_COLUMNS (a form of the few-rows build, picked per GPU by the host): with 16-byte loads the free
-// token columns hold the second chunk of a pair instead of a trade between lanes
-// (compute_pair_columns): fewer shuffles and lookups of the L1 unit's, which pays where that unit
-// paces the call (an H200) and costs where the loads do (an H100: kernels/NOTES.md).
+// MM_COLUMNS (a form of the few-rows build, which the host gives the calls of up to 4 rows on the
+// GPUs it pays on): with 16-byte loads the free token columns hold the second chunk of a pair
+// instead of a trade between lanes (compute_pair_columns): fewer shuffles and lookups of the L1
+// unit's, which pays where that unit paces the call (an H200) and costs where the loads do (an
+// H100: kernels/NOTES.md).
 #ifndef MM_COLUMNS
 #define MM_COLUMNS 0
 #endif

@@ -180,19 +180,16 @@ def test_the_matmul_cases_time_every_build_the_drop_in_picks(arch, columns):
     bf16 nf4 drop-in (token tile, scales, the few-rows build, the 128-token tile's two Hopper builds)
     is timed by some matmul case, and a case past the largest tile times dequantize + F.linear: a
     kernel the gate never times could get slower unseen."""
-    import dataclasses
-
     from harness.runtime import matmul_kernel
     from tests import hopper_plans as hopper
 
     built = {}  # id of a plan -> the build it is of
 
     def plan_of(variant, _device):  # what the rules read of a plan on that GPU (132 SMs; A100 108)
-        if columns and variant.few_rows and not variant.columns:  # as matmul_kernel.plan gives it
-            return plan_of(dataclasses.replace(variant, columns=True), _device)
         sms = hopper.SMS if arch == "sm_90" else 108
         per_sm, rule = hopper.WIDE128_PER_SM if variant.tokens == 128 else 2, variant.grid_rule(arch)
-        p = matmul_kernel.Plan(None, None, 0, per_sm, sms, (), rule, variant.warps, variant.alternative(arch))
+        cols = variant.columns_form() if columns else None  # as matmul_kernel.columns_of gives it
+        p = matmul_kernel.Plan(None, None, 0, per_sm, sms, (), rule, variant.warps, variant.alternative(arch), cols)
         built[id(p)] = variant
         return p
 

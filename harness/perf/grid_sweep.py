@@ -289,7 +289,7 @@ def sweep(
         times, runs, outside, tiles = {}, {}, {}, []
         for variant in variants:
             reference = tile_reference(variant, x, B, qs, W)  # each tile by its own arithmetic
-            plans = [matmul_kernel.plan(variant, device.index)]
+            plans = [matmul_kernel.plan_for_rows(variant, device.index, M)]
             if plans[0].alternative:  # the rules pick between the two builds: both are timed
                 plans.append(matmul_kernel.plan(plans[0].alternative, device.index))
             for p in plans:

@@ -237,7 +237,7 @@ def fused_matmul_on_grid(A, B, quant_state, grid: matmul_kernel.Grid, warps: int
     variant = _variant(A, call.quant_type, call.nested, M, N * K, warps, tokens)
     if not variant.builds_on(launcher.device_arch(A.device.index)):
         raise ValueError(f"{variant.name} is not built for this GPU")
-    p = matmul_kernel.plan(variant, A.device.index)
+    p = matmul_kernel.plan_for_rows(variant, A.device.index, M)
     if not p.runs(grid, M, N, K, variant.tokens):
         raise ValueError(f"the kernel does not run {grid} for M={M}, N={N}, K={K} on this GPU")
     return _run(_planned(A, decided._replace(plan=p, grid=grid), None, None), None)

@@ -186,8 +186,11 @@ FEW_ROWS = 2
 # the L1 unit paces the one-row call, a GPU whose DRAM brings each SM many bytes a cycle, and costs
 # where the loads do: an H200 (18.4 bytes an SM cycle) faster, an H100 SXM (12.8) 7-8% slower
 # (kernels/NOTES.md, "Chunks as mma columns", "The columns build per GPU"). Taken from this rate up,
-# and built for the arch both were measured on only (WGMMA_TARGETS').
+# and built for the arch both were measured on only (WGMMA_TARGETS'). An mma's 8 token columns hold
+# two chunks of 4 rows, so the form takes the nested calls of up to COLUMNS_ROWS rows: on an H200
+# 4-9% faster than the 8-token build at 3-4 rows ("The columns form at 3-4 rows").
 COLUMNS_BYTES_PER_SM_CYCLE = 16.0
+COLUMNS_ROWS = 4
 
 
 def columns_pay(dram_bytes_per_s: float, sms: int, sm_clock_hz: float) -> bool:
@@ -203,7 +206,7 @@ class MatmulVariant:
     tokens: int
     few_rows: bool = False  # the few-rows build (FEW_ROWS) of the one-tile pair-table kernel
     warps: int = 0  # warps a block: the tile's WARPS (0), or WIDE_WARPS' where the tile has them
-    columns: bool = False  # the few-rows build's columns form (COLUMNS_BYTES_PER_SM_CYCLE)
+    columns: bool = False  # the few-rows build's columns form (COLUMNS_BYTES_PER_SM_CYCLE), COLUMNS_ROWS rows
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.quant_type not in QUANT_TYPES or self.tokens not in TOKEN_TILES:
@@ -216,6 +219,19 @@ class MatmulVariant:
             object.__setattr__(self, "warps", block_warps(self.tokens))  # frozen: set once, here
         if self.warps not in (WARPS[self.tokens], WIDE_WARPS.get(self.tokens)):
             raise ValueError(f"no {self.warps}-warp build of the {self.tokens}-token tile: {self}")
+
+    @property
+    def rows_read(self) -> int:
+        """The most rows of a call of the few-rows build or its columns form (0: neither)."""
+        return 0 if not self.few_rows else COLUMNS_ROWS if self.columns else FEW_ROWS
+
+    def columns_form(self) -> MatmulVariant | None:
+        """The build this one's calls of at most COLUMNS_ROWS rows run on a GPU of ``columns_on``:
+        the columns form, for the nested one-tile builds of the tile's WARPS; else None."""
+        tile = DECODE_TILES[0]
+        if self.columns or not (self.nested and self.tokens == tile and self.warps == WARPS[tile]):
+            return None
+        return MatmulVariant(self.dtype, self.quant_type, True, tile, True, columns=True)
 
     @property
     def name(self) -> str:
@@ -298,7 +314,7 @@ class MatmulVariant:
             ("MM_CLUSTER_SPLITS", str(self.cluster_splits(arch))),
         )
         # Set only where they apply, so the other builds' specs stay as they were.
-        few = (("MM_FEW_ROWS", str(FEW_ROWS)),) if self.few_rows else ()
+        few = (("MM_FEW_ROWS", str(self.rows_read)),) if self.few_rows else ()
         cols = (("MM_COLUMNS", "1"),) if self.columns else ()
         return base + few + cols + ((("MM_DEEP", "1"),) if self.deep(arch) else ())
 
@@ -323,9 +339,9 @@ def variant_for(
     """The variant that multiplies ``m`` rows of a weight of ``elements`` (N * K): its token tile
     (``tile_for``; ``tokens``, one of the call's ``tile_choices``, instead where given: the grid
     sweep times each), and for at most ``FEW_ROWS`` rows of a weight with nested scales the few-rows
-    build (on a GPU that runs its columns form, ``plan`` gives that form's plan); ``warps`` a block (0:
-    the tile's WARPS; a call may take its alternative: ``pick_plan``). Raises ValueError for a tile the
-    call cannot run."""
+    build (on a GPU that runs the columns form, ``plan_for_rows`` gives the calls of up to
+    ``COLUMNS_ROWS`` rows that form's plan); ``warps`` a block (0: the tile's WARPS; a call may take its
+    alternative: ``pick_plan``). Raises ValueError for a tile the call cannot run."""
     if tokens and tokens not in tile_choices(m, nested):
         raise ValueError(f"a call of {m} rows does not run the {tokens}-token tile")
     tile = tokens or tile_for(m, nested, elements)
@@ -691,6 +707,7 @@ class Plan:
     rule: str  # the variant's grid rule (GRID_RULES)
     warps: int = 0  # a block's (0: the token tile's WARPS)
     alternative: MatmulVariant | None = None  # the other build of its calls on this GPU (pick_plan)
+    columns: MatmulVariant | None = None  # the build its calls of up to COLUMNS_ROWS rows run (plan_for_rows)
 
     def grid(self, M: int, N: int, K: int, tokens: int) -> Grid:
         return grid_for(
@@ -725,13 +742,11 @@ _plans: dict[tuple, Plan] = {}
 
 
 def plan(variant: MatmulVariant, device_index: int) -> Plan:
-    """The plan of ``variant``'s calls on this GPU, made once: its build's, or, for the few-rows build
-    on a GPU that runs its columns form (``columns_on``), that form's; the one place the choice is
-    made, and so the one a caller's ``plan_of`` stands in for."""
+    """The plan of ``variant``'s build on this GPU, made once; on a GPU that runs the columns form
+    (``columns_on``) it names that form for the calls of few rows (``Plan.columns``): the one place
+    the GPU is asked, and so the one a caller's ``plan_of`` stands in for."""
     key = (variant, device_index)
-    if (hit := _plans.get(key)) is None and variant.few_rows and not variant.columns and columns_on(device_index):
-        hit = _plans[key] = plan(dataclasses.replace(variant, columns=True), device_index)
-    if hit is None:
+    if (hit := _plans.get(key)) is None:
         spec = functools.partial(spec_for, variant)
         arch = launcher.device_arch(device_index)
         shared = variant.dynamic_shared_bytes(arch)
@@ -746,16 +761,32 @@ def plan(variant: MatmulVariant, device_index: int) -> Plan:
             clusters = tuple(launcher.max_clusters(main, block, (1, s, 1)) for s in range(sizes + 1)) if sizes else ()
         hit = _plans[key] = Plan(
             main, finish, block, max(1, per_sm), _sm_count(device_index), clusters, variant.grid_rule(arch),
-            variant.warps, variant.alternative(arch),
+            variant.warps, variant.alternative(arch), columns_of(variant, device_index),
         )  # fmt: skip
     return hit
 
 
-def pick_plan(variant: MatmulVariant, device_index: int, M: int, N: int, K: int, plan_of=plan) -> Plan:
-    """The plan of a call of ``variant``'s on its GPU: ``variant``'s, or its alternative build's
-    (``MatmulVariant.alternative``) where that costs less (``Plan.cost``; the first on a tie).
-    ``plan_of(variant, device_index)`` gives a build's plan."""
+def columns_of(variant: MatmulVariant, device_index: int) -> MatmulVariant | None:
+    """The build ``variant``'s calls of up to COLUMNS_ROWS rows run on this GPU in its place: its
+    columns form where it has one and the GPU runs it (``columns_on``); else None."""
+    form = variant.columns_form()
+    return form if form is not None and columns_on(device_index) else None
+
+
+def plan_for_rows(variant: MatmulVariant, device_index: int, M: int, plan_of=plan) -> Plan:
+    """The plan of a call of ``M`` rows of ``variant``'s on its GPU: the columns form's where the
+    build's plan names one (``Plan.columns``) and ``M`` <= COLUMNS_ROWS; else the build's own."""
     first = plan_of(variant, device_index)
+    if first.columns is not None and M <= COLUMNS_ROWS:
+        return plan_of(first.columns, device_index)
+    return first
+
+
+def pick_plan(variant: MatmulVariant, device_index: int, M: int, N: int, K: int, plan_of=plan) -> Plan:
+    """The plan of a call of ``variant``'s on its GPU: its rows' (``plan_for_rows``), or its
+    alternative build's (``MatmulVariant.alternative``) where that costs less (``Plan.cost``; the
+    first on a tie). ``plan_of(variant, device_index)`` gives a build's plan."""
+    first = plan_for_rows(variant, device_index, M, plan_of)
     if first.alternative is None:
         return first
     return cheapest((first, plan_of(first.alternative, device_index)), M, N, K, variant.tokens)
@@ -775,7 +806,7 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache
 def columns_on(device_index: int) -> bool:
-    """Whether this GPU's few-rows calls run the columns form: built for its arch, and ``columns_pay``
+    """Whether this GPU's calls of up to COLUMNS_ROWS rows run the columns form: built for its arch, and ``columns_pay``
     by the driver's figures (DRAM clock in kHz, double data rate, bus width in bits; SM clock in kHz)."""
     from cuda.core import Device
 
