@@ -455,7 +455,7 @@ def test_a_refused_matmul_launch_names_the_cuda_error_and_the_context_survives(
     with pytest.raises(KernelLaunchError, match="CUDA_ERROR_INVALID_VALUE") as info:
         matmul.fused_matmul(A, B, qs)
     variant = matmul_kernel.variant_for("bf16", "nf4", True, 1, qs.shape[0] * qs.shape[1])
-    assert info.value.kernel == matmul_kernel.plan(variant, cuda.index).main.label
+    assert info.value.kernel == matmul_kernel.pick_plan(variant, cuda.index, 1, *qs.shape).main.label
     monkeypatch.undo()
     torch.cuda.synchronize()
     assert_bit_exact(matmul.fused_matmul(A, B, qs), _matmul_python_path(A, B, qs, None))
