@@ -188,7 +188,7 @@ FEW_ROWS = 2
 # (kernels/NOTES.md, "Chunks as mma columns", "The columns build per GPU"). Taken from this rate up,
 # and built for the arch both were measured on only (WGMMA_TARGETS'). An mma's 8 token columns hold
 # two chunks of 4 rows, so the form takes the nested calls of up to COLUMNS_ROWS rows: on an H200
-# 4-9% faster than the 8-token build at 3-4 rows ("The columns form at 3-4 rows").
+# 0.91-0.98x the 8-token build's time at 3-4 rows (kernels/NOTES.md, "The columns form at 3-4 rows").
 COLUMNS_BYTES_PER_SM_CYCLE = 16.0
 COLUMNS_ROWS = 4
 
@@ -743,8 +743,8 @@ _plans: dict[tuple, Plan] = {}
 
 def plan(variant: MatmulVariant, device_index: int) -> Plan:
     """The plan of ``variant``'s build on this GPU, made once; on a GPU that runs the columns form
-    (``columns_on``) it names that form for the calls of few rows (``Plan.columns``): the one place
-    the GPU is asked, and so the one a caller's ``plan_of`` stands in for."""
+    (``columns_on``) it names that form for the calls of up to COLUMNS_ROWS rows (``Plan.columns``):
+    the one place the GPU is asked, and so the one a caller's ``plan_of`` stands in for."""
     key = (variant, device_index)
     if (hit := _plans.get(key)) is None:
         spec = functools.partial(spec_for, variant)
@@ -806,8 +806,9 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache
 def columns_on(device_index: int) -> bool:
-    """Whether this GPU's calls of up to COLUMNS_ROWS rows run the columns form: built for its arch, and ``columns_pay``
-    by the driver's figures (DRAM clock in kHz, double data rate, bus width in bits; SM clock in kHz)."""
+    """Whether this GPU's calls of up to COLUMNS_ROWS rows run the columns form: built for its arch,
+    and ``columns_pay`` by the driver's figures (DRAM clock in kHz, double data rate, bus width in
+    bits; SM clock in kHz)."""
     from cuda.core import Device
 
     if launcher.device_arch(device_index) not in WGMMA_TARGETS:
