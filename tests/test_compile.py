@@ -87,11 +87,12 @@ def test_every_matmul_variant_compiles_for_every_arch_it_is_built_for(compiled_a
         table = 256 * 8 * 16
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
-    # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row; the
-    # pair-table one gives a row of 32 16-byte pieces room for 4 of padding: the same bytes; its
-    # columns build room for 6 (a slot every 8 pieces, rows 38 slots apart: compute_pair_columns).
+    # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row: 4 to
+    # a row of 32 16-byte pieces; the pair-table one 8 (rows start 128-byte lines), its columns
+    # build 6 (a slot every 8 pieces, rows 38 slots apart: compute_pair_columns).
     if source in (matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_M8_PAIRS):
-        activations += activations * (6 if variant.columns else 4) // 32
+        pads = 6 if variant.columns else 8 if source == matmul_kernel.SOURCE_M8_PAIRS else 4
+        activations += activations * pads // 32
     if source == matmul_kernel.SOURCE_SM90:  # 8 slices of 16 k, each padded by 16 bytes, from a 128-byte boundary
         # three stages in the nested 8-warp build of the 128-token tile (WIDE_STAGES)
         stages = 3 if (variant.tokens, variant.warps, variant.nested) == (128, 8, True) else 2

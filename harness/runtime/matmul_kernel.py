@@ -290,9 +290,9 @@ class MatmulVariant:
         (0: its shared memory is all static)."""
         source = self.build(arch)[0]
         # Past the 48 KB a kernel may declare. The pair table, then two stages of the activation
-        # tile at its larger padding (4 slots a row: kernels/matmul_4bit_m8_pairs.cu).
+        # tile with its padding (8 slots a row: kernels/matmul_4bit_m8_pairs.cu).
         if source == SOURCE_M8_PAIRS and self.tokens != DECODE_TILES[0]:
-            return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 4) * 16
+            return PAIR_TABLE_BYTES + 2 * self.tokens * (STEP_K_M8 // 8 + 8) * 16
         # The wgmma kernel's table of code pairs from 64 tokens (kernels/matmul_4bit_sm90.cu), then the
         # wide kernels' stages at 128 tokens (two; three in the deep build): 16 bytes a token and 8 k,
         # 16 bytes of padding a k16 slice in the wgmma kernel's.
