@@ -235,21 +235,28 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
     }
 }
 
-// Piece p (16 bytes, 8 k) of token row r sits in slot r * stride + p', rows 8 slots of padding apart
-// so each starts a 128-byte line (a quarter warp's cp.async of 8 consecutive pieces writes one line),
-// and in odd rows p' swaps pieces so the reads of rows 2q and 2q + 1 hit different 16-byte bank
-// groups: at chunks of 64 a quarter warp reads pieces 2t + h of both rows (p' = p ^ 1), at chunks of
-// 32 pieces t (p' = p ^ 4).
+// Piece p (16 bytes, 8 k) of token row r sits in slot r * stride + p: one padding slot a row at
+// chunks of 64 (a quarter warp reads pieces 2t + h of rows 2q and 2q + 1: 8 different 16-byte bank
+// groups), four at chunks of 32 (pieces t of the same rows).
+// ALIGNED_ROWS (the 16-token tile): rows 8 slots of padding apart, each on a 128-byte line, so a
+// quarter warp's cp.async of 8 consecutive pieces writes one line and takes one wavefront (two where
+// a row starts mid-line: 2.75x the staging's ideal wavefronts); in odd rows p ^ 1 at chunks of 64,
+// p ^ 4 at chunks of 32, so the reads of rows 2q and 2q + 1 still hit 8 different bank groups. On
+// an H200 2.4-3.4% faster at 16 rows on the large weights; at 6-8 rows the 8-token build was 0.6-1.1%
+// slower on two of them with it, so it keeps the rows above (kernels/NOTES.md, "The activation
+// tile's rows on 128-byte lines").
 // kCols (the columns build: chunks as mma columns, compute_pair_columns): its live lanes read
 // pieces 8c + 4t + j of rows 0 and 1, so a slot of padding every 8 pieces and rows 38 slots apart
 // put the 8 of them in 8 different 16-byte bank groups.
+#define ALIGNED_ROWS (MM_TOKENS == 16)
 template <int kChunk, bool kCols = false>
 __device__ __forceinline__ constexpr int act_slot(int row, int piece) {
     if constexpr (kCols) return row * (ACT_ROW_CHUNKS + 6) + piece + (piece >> 3);
-    return row * (ACT_ROW_CHUNKS + 8) + (piece ^ ((row & 1) * (kChunk == 64 ? 1 : 4)));
+    if constexpr (ALIGNED_ROWS) return row * (ACT_ROW_CHUNKS + 8) + (piece ^ ((row & 1) * (kChunk == 64 ? 1 : 4)));
+    return row * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) + piece;
 }
 
-#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + (MM_COLUMNS ? 6 : 8)))  // slots of one stage, any padding
+#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + (MM_COLUMNS ? 6 : 4 + 4 * ALIGNED_ROWS)))  // slots of one stage
 #define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)    // rows a block's threads cover
 #define ACT_ROWS_A_THREAD (MM_TOKENS / ACT_ROW_STRIDE)
 static_assert(ACT_ROW_STRIDE % 2 == 0, "a thread's rows ACT_ROW_STRIDE apart keep their parity (act_slot's swap)");
@@ -505,9 +512,9 @@ __device__ __forceinline__ int first_feature(unsigned tid) {
 extern "C" __global__ void __launch_bounds__(MM_WARPS * 32, MIN_BLOCKS) matmul_4bit_kernel(MM_MAIN_PARAMS) {
 #if MM_TOKENS == 8
     __shared__ __align__(16) u32 s_pairs[PAIR_ROWS * PAIR_ROW_WORDS];
-    __shared__ __align__(128) uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];  // rows start 128-byte lines (act_slot)
+    __shared__ uint4 s_act[ACT_STAGES][ACT_TILE_SLOTS];
 #else  // past the 48 KB of static shared memory: the launch passes PAIR_TABLE_BYTES + the stages
-    extern __shared__ __align__(128) unsigned char s_dynamic[];
+    extern __shared__ __align__(128) unsigned char s_dynamic[];  // ALIGNED_ROWS' lines
     u32* s_pairs = reinterpret_cast<u32*>(s_dynamic);
     auto& s_act = *reinterpret_cast<uint4(*)[ACT_STAGES][ACT_TILE_SLOTS]>(s_dynamic + PAIR_TABLE_BYTES);
 #endif

@@ -2,7 +2,8 @@
 loads, how it turns them into mma fragments, and where the accumulators land, transcribed from
 kernels/matmul_4bit.cu (``WIDE``, token tiles of 16 or more), kernels/matmul_4bit_m8.cu (``M8``,
 its prmt table lookups included), kernels/matmul_4bit_m8_pairs.cu (``M8P_64`` and ``M8P_32``:
-chunks of 64 or 32 k, the pair table's lookups included; ``emulate_pair_columns``: its columns
+chunks of 64 or 32 k, the pair table's lookups included; ``_A``: the 16-token tile's activation
+rows on 128-byte lines; ``emulate_pair_columns``: its columns
 build, MM_COLUMNS) and kernels/matmul_4bit_sm90.cu (WIDE's lanes, its pair table from 64 tokens:
 ``SM90_PAIRS``); the mma itself is assembled from its
 fragments by the layout the PTX ISA states for mma.m16n8k16 (.row.col, 16-bit inputs, fp32
@@ -16,6 +17,7 @@ the epilogue) without a GPU; it cannot prove the compiled code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Callable
@@ -170,7 +172,9 @@ def _act_slot(file: str) -> Callable[[int, int, int], int]:
 
 
 def _tile_slots(file: str) -> Callable[[int, int], int]:
-    return _source_expression(file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0")
+    return _source_expression(
+        file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0"
+    )
 
 
 # The chunk each lane reads for its mma j, as each kernel writes it.
@@ -266,13 +270,13 @@ M8 = Layout(
 
 
 # --- kernels/matmul_4bit_m8_pairs.cu: the pair table, chunks of 64 or 32 k ---------------------------
-def _m8p_act_slot(chunk_k: int) -> Callable[[int, int, int], int]:
-    """act_slot<chunk_k> of kernels/matmul_4bit_m8_pairs.cu, as (row, piece, pieces a row)."""
-    slot = _source_expression(
-        _M8P,
-        r"int act_slot\(int row, int piece\) \{\s+if constexpr \(kCols\) return [^;]+;\s+return ([^;]+);",
-        "row, piece, ACT_ROW_CHUNKS, kChunk",
-    )
+def _m8p_act_slot(chunk_k: int, aligned: bool) -> Callable[[int, int, int], int]:
+    """act_slot<chunk_k> of kernels/matmul_4bit_m8_pairs.cu, as (row, piece, pieces a row): the
+    16-token tile's (ALIGNED_ROWS) where ``aligned``, else the 8-token tile's."""
+    head = r"int act_slot\(int row, int piece\) \{\s+if constexpr \(kCols\) return [^;]+;\s+"
+    aligned_line = r"if constexpr \(ALIGNED_ROWS\) return "
+    line = aligned_line + (r"([^;]+);" if aligned else r"[^;]+;\s+return ([^;]+);")
+    slot = _source_expression(_M8P, head + line, "row, piece, ACT_ROW_CHUNKS, kChunk")
     return lambda row, piece, row_chunks: slot(row, piece, row_chunks, chunk_k)
 
 
@@ -290,11 +294,11 @@ class _Shape:
         self.run = chunk_k // 4
 
 
-def m8_pairs_layout(chunk_k: int) -> Layout:
+def m8_pairs_layout(chunk_k: int, aligned: bool = False) -> Layout:
     """kernels/matmul_4bit_m8_pairs.cu with chunks of ``chunk_k`` k (64, or 32 where K or the block size
     asks): 256 k a step, lane t's run of chunk_k / 4 k at t * chunk_k / 4 of each chunk, mma
     j % (chunk_k / 16) of chunk j // (chunk_k / 16) from bytes 2j, 2j + 1 of the run, decoded
-    through the pair table."""
+    through the pair table; its activation tile the 16-token tile's (ALIGNED_ROWS) where ``aligned``."""
     per_chunk = chunk_k // 16
     return Layout(
         STEP_K_M8,
@@ -303,12 +307,13 @@ def m8_pairs_layout(chunk_k: int) -> Layout:
         lambda j: (j % per_chunk) // 2,
         decode_pairs,
         lambda j, t: _M8P_PIECE(j // per_chunk, chunk_k, t, _Shape(chunk_k), (j % per_chunk) // 2),
-        _m8p_act_slot(chunk_k),
-        _tile_slots(_M8P),
+        _m8p_act_slot(chunk_k, aligned),
+        functools.partial(_tile_slots(_M8P), ALIGNED_ROWS=int(aligned)),
     )
 
 
 M8P_64, M8P_32 = m8_pairs_layout(64), m8_pairs_layout(32)
+M8P_64_A, M8P_32_A = m8_pairs_layout(64, aligned=True), m8_pairs_layout(32, aligned=True)
 
 # The 16-byte loads (K % 128 == 0): lane t's run position in both chunks of a pair once lanes t and
 # t ^ 2 traded halves, and which lanes keep their first run (trade_halves' `low`), from the source.
@@ -316,9 +321,10 @@ WIDE_POS = _source_expression(_M8P, r"int wide_pos\(int t\) \{ return ([^;]+); \
 _KEEPS_FIRST = _source_expression(_M8P, r"const bool low = ([^;]+);", "t")
 
 
-def wide_pairs_layout() -> Layout:
+def wide_pairs_layout(aligned: bool = False) -> Layout:
     """kernels/matmul_4bit_m8_pairs.cu with 16-byte weight loads: chunks of 64 k, lane t's run of
-    16 k at run position WIDE_POS(t) of each chunk (where trade_halves left it: ``traded_runs``)."""
+    16 k at run position WIDE_POS(t) of each chunk (where trade_halves left it: ``traded_runs``);
+    its activation tile the 16-token tile's (ALIGNED_ROWS) where ``aligned``."""
     return Layout(
         STEP_K_M8,
         STEP_K_M8 // 16,
@@ -326,12 +332,12 @@ def wide_pairs_layout() -> Layout:
         lambda j: (j % 4) // 2,
         decode_pairs,
         lambda j, t: _M8P_PIECE(j // 4, 64, WIDE_POS(t), _Shape(64), (j % 4) // 2),
-        _m8p_act_slot(64),
-        _tile_slots(_M8P),
+        _m8p_act_slot(64, aligned),
+        functools.partial(_tile_slots(_M8P), ALIGNED_ROWS=int(aligned)),
     )
 
 
-M8P_W = wide_pairs_layout()
+M8P_W, M8P_W_A = wide_pairs_layout(), wide_pairs_layout(aligned=True)
 
 
 def traded_runs(pair: bytes) -> list[tuple[bytes, bytes]]:

@@ -88,10 +88,12 @@ def test_every_matmul_variant_compiles_for_every_arch_it_is_built_for(compiled_a
     activations = 2 * variant.tokens * matmul_kernel.step_k(variant.tokens) * 2
     tables = table + (1024 if variant.nested else 0)
     # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row: 4 to
-    # a row of 32 16-byte pieces; the pair-table one 8 (rows start 128-byte lines), its columns
-    # build 6 (a slot every 8 pieces, rows 38 slots apart: compute_pair_columns).
+    # a row of 32 16-byte pieces, as the pair-table one's 8-token tile does; its 16-token tile 8 (rows
+    # start 128-byte lines: ALIGNED_ROWS), its columns build 6 (a slot every 8 pieces, rows 38 slots
+    # apart: compute_pair_columns).
     if source in (matmul_kernel.SOURCE_M8, matmul_kernel.SOURCE_M8_PAIRS):
-        pads = 6 if variant.columns else 8 if source == matmul_kernel.SOURCE_M8_PAIRS else 4
+        aligned = source == matmul_kernel.SOURCE_M8_PAIRS and variant.tokens != matmul_kernel.DECODE_TILES[0]
+        pads = 6 if variant.columns else 8 if aligned else 4
         activations += activations * pads // 32
     if source == matmul_kernel.SOURCE_SM90:  # 8 slices of 16 k, each padded by 16 bytes, from a 128-byte boundary
         # three stages in the nested 8-warp build of the 128-token tile (WIDE_STAGES)

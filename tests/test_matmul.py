@@ -1063,7 +1063,9 @@ def _lane_case(seed: int, M: int, N: int, K: int):
 # The nested 8-token kernel runs chunks of 64 k where K % 64 == 0 (and blocks of 64 or more), else of 32;
 # with 16-byte weight loads where K % 128 == 0.
 _LANE_CASES = [(3, 40, 256), (9, 16, 96 + 128), (2, 24, 320), (5, 24, 384)]
-_LANE_KERNELS = {"M8": 32, "M8P_64": 64, "M8P_32": 32, "M8P_W": 128, "WIDE": 32}  # kernel: K a multiple of
+_LANE_KERNELS = {  # kernel: K a multiple of (the _A layouts: the 16-token tile's activation rows)
+    "M8": 32, "M8P_64": 64, "M8P_32": 32, "M8P_W": 128, "M8P_64_A": 64, "M8P_32_A": 32, "M8P_W_A": 128, "WIDE": 32,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -1080,6 +1082,21 @@ def test_the_kernels_lanes_load_decode_and_place_every_weight_once(run_seed, M, 
     A, packed, scales, code, W = _lane_case(run_seed, M, N, K)
     got = matmul_lanes.emulate(A, packed, scales, code, N, K, getattr(matmul_lanes, kernel))
     torch.testing.assert_close(got, A @ W.t(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["M8P_64_A", "M8P_32_A", "M8P_W_A"])
+def test_the_16_token_tile_stages_each_quarter_warps_pieces_into_one_128_byte_line(kernel):
+    """In the pair-table kernel's 16-token tile (ALIGNED_ROWS) every row starts a 128-byte line, so
+    a quarter warp's cp.async of 8 consecutive pieces writes one line (one wavefront; rows starting
+    mid-line took 2.75x the staging's ideal wavefronts on an H200, kernels/NOTES.md)."""
+    from tests import matmul_lanes
+
+    layout = getattr(matmul_lanes, kernel)
+    row_chunks = layout.step_k // 8
+    for row, quarter in itertools.product(range(16), range(row_chunks // 8)):
+        lines = {layout.slot(row, 8 * quarter + e, row_chunks) // 8 for e in range(8)}
+        assert len(lines) == 1, (row, quarter, lines)
+    assert layout.tile_slots(16, row_chunks) % 8 == 0  # and the second stage starts a line too
 
 
 @pytest.mark.parametrize("kernel", list(_LANE_KERNELS))
