@@ -62,7 +62,8 @@
 #error "MM_COLUMNS is a form of the few-rows build for at most 4 rows (two mma columns a row)"
 #endif
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
-// 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower). NOTES.
+// 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower on an H100;
+// with today's kernel 4 bytes spilled and 3-18% slower at 9-16 rows on an H200). NOTES.
 #define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : 3)
 
 #define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
@@ -246,8 +247,9 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
 // slower on two of them with it, so it keeps the rows above (kernels/NOTES.md, "The activation
 // tile's rows on 128-byte lines").
 // kCols (the columns build: chunks as mma columns, compute_pair_columns): its live lanes read
-// pieces 8c + 4t + j of rows 0 and 1, so a slot of padding every 8 pieces and rows 38 slots apart
-// put the 8 of them in 8 different 16-byte bank groups.
+// pieces 8c + 4t + j of rows 0 to 3, so a slot of padding every 8 pieces and rows 38 slots apart
+// put them in the fewest wavefronts (8 lanes at 1-2 rows: 8 different 16-byte bank groups, one
+// wavefront; 16 lanes at 3-4 rows: no group hit more than twice, two).
 #define ALIGNED_ROWS (MM_TOKENS == 16)
 template <int kChunk, bool kCols = false>
 __device__ __forceinline__ constexpr int act_slot(int row, int piece) {
