@@ -976,24 +976,35 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("M", "K", "dtype", "bias"),
+    ("M", "K", "dtype", "bias", "nested", "pair"),
     [
-        (1, 4096, torch.bfloat16, False),
-        (3, 4096, torch.float16, True),
-        (8, 4096, torch.bfloat16, True),
-        (5, 16384, torch.bfloat16, True),  # 16 splits: a cluster past the portable size of 8
-        (40, 4096, torch.float16, True),  # the 64-token tile, 40 rows of it
-        (100, 4096, torch.bfloat16, False),  # the 128-token tile (no cluster epilogue: the finish), 100 rows
+        (1, 4096, torch.bfloat16, False, True, False),
+        (3, 4096, torch.float16, True, True, False),
+        (8, 4096, torch.bfloat16, True, True, False),
+        (5, 16384, torch.bfloat16, True, True, False),  # 16 splits: a cluster past the portable size of 8
+        (40, 4096, torch.float16, True, True, False),  # the 64-token tile, 40 rows of it
+        (100, 4096, torch.bfloat16, False, True, False),  # the 128-token tile (no cluster epilogue: the finish)
+        # Clusters of two splits (the large weights' grid at 1-16 rows on an H200), every decode build:
+        (1, 4096, torch.bfloat16, True, True, True),  # the columns form on a GPU that runs it
+        (3, 8192, torch.float16, False, True, True),
+        (8, 4096, torch.bfloat16, True, True, True),
+        (12, 4096, torch.float16, True, True, True),  # the 16-token tile, 4 of its tokens past M
+        (16, 8192, torch.bfloat16, False, True, True),
+        (6, 4096, torch.bfloat16, True, False, True),  # the plain scales' kernel
+        (16, 4096, torch.float16, True, False, True),
     ],
 )
-def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, monkeypatch, M, K, dtype, bias):
-    """Where the GPU has thread block clusters, the kernels with the cluster epilogue (the 8-token
-    one, up to 16 splits; on Hopper the 64-token one, in pairs) add their splits of K inside their
-    cluster, in split order with the finish kernel's fp32 adds: the same bits as the finish
-    (features past N, tokens past M and the bias included). Elsewhere, and for the other tiles, the
-    finish adds them."""
+def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(
+    cuda, run_seed, monkeypatch, M, K, dtype, bias, nested, pair
+):
+    """Where the GPU has thread block clusters, the kernels with the cluster epilogue (the 8- and
+    16-token ones with either scales, up to 16 splits; on Hopper the 64-token one, in pairs) add
+    their splits of K inside their cluster, in split order with the finish kernel's fp32 adds: the
+    same bits as the finish (features past N, tokens past M and the bias included), in clusters of
+    the rule's size and in pairs, including the columns form's. Elsewhere, and for the other tiles,
+    the finish adds them."""
     N = 330
-    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], "nf4", True, M, N * K)
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], "nf4", nested, M, N * K)
     tokens = variant.tokens
     plan = matmul_kernel.plan(variant, cuda.index)
     sizes = variant.cluster_splits(launcher.device_arch(cuda.index))
@@ -1007,13 +1018,14 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(cuda, run_seed, mo
     if not sizes:
         assert grid.finished, "a split K without the cluster epilogue is the finish's"
         return
-    if tokens not in matmul_kernel.DECODE_TILES:  # this small weight's grid is 5 finished splits: take a pair
+    if pair or tokens not in matmul_kernel.DECODE_TILES:  # (the wide tile's grid is 5 finished splits)
         steps = matmul_kernel.steps_of(K, tokens)
         grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)
     assert grid.clustered, "the case's splits must run as clusters"
     assert grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS or K != 16384, grid
-    B, qs, _W = _weights(N, K, "nf4", 64, True, dtype, run_seed, cuda)
+    assert not pair or grid.splits == 2, grid
+    B, qs, _W = _weights(N, K, "nf4", 64, nested, dtype, run_seed, cuda)
     A = torch.randn(M, K, device=cuda).to(dtype)
     b = torch.randn(N, device=cuda).to(dtype) if bias else None
     with host_path.python_path_only():
