@@ -259,10 +259,10 @@ RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid
 # and 1.017 on the H200, whose one-row cases time the few-rows build's columns form (1.014 on the
 # build before; 1.045 and 1.034 before the clusters' refit; the busiest-SM rule before it 1.101 and
 # 1.077 on 8-byte loads); the 16-row cases the 16-token pair-table kernel (1.0031 and
-# 1.0059 with its finish priced at 6 steps, the H200's 1.0105 re-recorded with the tile's rows on
-# 128-byte lines, and its one-row cases with the columns form built for 4 rows; 1.0033 and 1.0074 at
-# 2; 1.039 and 1.038 before the refit); the wider tiles together (16-128 rows) 1.004 on the H100
-# and 1.009 on the H200 (1.0083 after that re-record), whose
+# 1.0059 with its finish priced at 6 steps; the H200's 1.0105 since its 1- and 16-row cases were
+# timed again, with the tile's rows on 128-byte lines and the columns form built for 4 rows;
+# 1.0033 and 1.0074 at 2; 1.039 and 1.038 before the refit); the wider tiles together (16-128
+# rows) 1.004 on the H100 and 1.009 on the H200 (1.0083 since), whose
 # 128-row cases time the 128-token tile on the waves rule with splits down to 2 steps (1.003 and
 # 1.007; 1.010 each with 4; both sweeps of both of its Hopper builds) and whose 64-row cases the
 # 64-token tile on the waves rule with splits down to 3 steps, priced with a shared SM and its
