@@ -815,7 +815,7 @@ def columns_on(device_index: int) -> bool:
         return False
     props = Device(device_index).properties
     dram = 2 * props.memory_clock_rate * 1e3 * props.global_memory_bus_width / 8
-    return columns_pay(dram, props.multiprocessor_count, props.clock_rate * 1e3)
+    return columns_pay(dram, _sm_count(device_index), props.clock_rate * 1e3)
 
 
 def launch_args(
