@@ -71,18 +71,30 @@
 #define PAIR_TABLE_BYTES (PAIR_ROWS * PAIR_ROW_WORDS * 4)
 
 // Entry e: code[e >> 4] (the byte's high nibble, the lower k) in the low half, code[e & 15] in the
-// high half, each rounded to nearest in A's dtype.
-__device__ __forceinline__ u32 code_pair(int e) {
-    return pack2(__uint_as_float(c_code_bits[e >> 4]), __uint_as_float(c_code_bits[e & 15]));
-}
+// high half, each rounded to nearest in A's dtype. Slot i of the table (16 bytes: 4 copies) holds
+// entry pair_entry(i / 16, i % 16): rows of 64 words, entries e and e | 128 side by side.
+__device__ __forceinline__ constexpr int pair_entry(int row, int quarter) { return row | (quarter >= 8 ? 128 : 0); }
 
-// The table by the block's threads, 16 bytes (4 copies of one entry) a store.
+__device__ __forceinline__ float code_of(int i) { return __uint_as_float(c_code_bits[i]); }
+
+// The table by the block's threads, 16 bytes a store. Thread x stores slots x + 128 n (n < 16), all
+// of one quarter (x % 16) and of rows x / 16 + 8 n: their entries' high nibbles are n / 2 (+ 8 in
+// the upper half of a row), one for a pair of slots, and their low nibbles x / 16 or x / 16 + 8,
+// two for all 16. So 10 constant loads a thread at 2 addresses a warp, where loading each entry's
+// own two codes took 32 at 2 (the build was 14% of a one-row call's stall samples on an H200:
+// kernels/NOTES.md, "The pair table's build with fewer constant loads").
 __device__ __forceinline__ void stage_pair_table(u32* table) {
+    static_assert(MM_WARPS * 32 == 128 && PAIR_ROWS * PAIR_ROW_WORDS / 4 == 16 * 128, "16 slots a thread");
+    const int x = threadIdx.x, quarter = x % 16, row0 = x / 16;
+    const float low[2] = {code_of(pair_entry(row0, quarter) & 15), code_of(pair_entry(row0 + 8, quarter) & 15)};
 #pragma unroll 1  // staged while the first weights are in flight, in the registers they leave
-    for (int i = threadIdx.x; i < PAIR_ROWS * PAIR_ROW_WORDS / 4; i += MM_WARPS * 32) {
-        const int row = i / (PAIR_ROW_WORDS / 4), quarter = i % (PAIR_ROW_WORDS / 4);
-        const u32 v = code_pair(row | (quarter >= 8 ? 128 : 0));
-        reinterpret_cast<uint4*>(table)[i] = make_uint4(v, v, v, v);
+    for (int m = 0; m < 8; ++m) {
+        const float high = code_of(pair_entry(row0 + 16 * m, quarter) >> 4);  // rows 16 m + row0 and + 8 alike
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const u32 v = pack2(high, low[s]);  // the entry of row row0 + 16 * m + 8 * s
+            reinterpret_cast<uint4*>(table)[x + 256 * m + 128 * s] = make_uint4(v, v, v, v);
+        }
     }
 }
 

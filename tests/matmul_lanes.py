@@ -129,16 +129,40 @@ assert _PAIR_MASKS, f"kernels/{_COMMON} no longer has pair_addresses' masks wher
 LOW7_MASK, TOP_MASK = (int(v, 16) for v in _PAIR_MASKS.groups())
 PAIR_SELECTOR = _source_expression(_COMMON, r"constexpr u32 sel = ([^;]+);", "kByte")
 LANE_BYTES = _source_expression(_M8P, r"const u32 lane_bytes = \(threadIdx\.x & 31\) \* ([^;]+);", "")()
-_PAIR_ENTRY = _source_expression(_M8P, r"const u32 v = code_pair\(([^;]+)\);", "row, quarter")
+_PAIR_ENTRY = _source_expression(_M8P, r"int pair_entry\(int row, int quarter\) \{ return ([^;]+); \}", "row, quarter")
+# stage_pair_table: thread x's quarter and first row, the two low nibbles it loads once, the high
+# nibble of iteration m, and the slot iteration (m, s) stores.
+_BUILD_QUARTER = _source_expression(_M8P, r"const int x = threadIdx\.x, quarter = ([^,]+), row0 = [^;]+;", "x")
+_BUILD_ROW0 = _source_expression(_M8P, r"const int x = threadIdx\.x, quarter = [^,]+, row0 = ([^;]+);", "x")
+_BUILD_LOWS = [
+    _source_expression(_M8P, rf"const float low\[2\] = \{{{head}code_of\(([^;]*?)\)[,}}]", "row0, quarter, pair_entry")
+    for head in ("", r"code_of\([^;]*?\), ")
+]
+_BUILD_HIGH = _source_expression(_M8P, r"const float high = code_of\(([^;]+)\);", "m, row0, quarter, pair_entry")
+_BUILD_SLOT = _source_expression(_M8P, r"reinterpret_cast<uint4\*>\(table\)\[([^\]]+)\] = make_uint4", "x, m, s")
 
 
 def pair_table() -> list[int]:
-    """stage_pair_table: the entry (packed byte) each 4-byte word of the table holds."""
-    words = []
-    for i in range(PAIR_ROWS * PAIR_ROW_WORDS // 4):
-        row, quarter = i // (PAIR_ROW_WORDS // 4), i % (PAIR_ROW_WORDS // 4)
-        words += [_PAIR_ENTRY(row, quarter)] * 4
-    return words
+    """stage_pair_table as the threads of a block run it: the entry (packed byte) each 4-byte word
+    of the table holds, from each store's two nibbles. Every slot is stored once."""
+    slots: list[int | None] = [None] * (PAIR_ROWS * PAIR_ROW_WORDS // 4)
+    for x in range(len(slots) // 16):
+        quarter, row0 = _BUILD_QUARTER(x), _BUILD_ROW0(x)
+        lows = [low(row0, quarter, _PAIR_ENTRY) for low in _BUILD_LOWS]
+        for m in range(8):
+            high = _BUILD_HIGH(m, row0, quarter, _PAIR_ENTRY)
+            for s in range(2):
+                slot = _BUILD_SLOT(x, m, s)
+                assert slots[slot] is None, f"slot {slot} stored twice"
+                slots[slot] = high << 4 | lows[s]
+    assert None not in slots, "a slot of the table never stored"
+    return [entry for entry in slots for _ in range(4)]
+
+
+def pair_table_as_defined() -> list[int]:
+    """The table as pair_entry defines it: slot i (4 words) holds entry pair_entry(i / 16, i % 16)."""
+    quarters = PAIR_ROW_WORDS // 4
+    return [_PAIR_ENTRY(i // quarters, i % quarters) for i in range(PAIR_ROWS * quarters) for _ in range(4)]
 
 
 PAIR_TABLE = pair_table()

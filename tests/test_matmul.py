@@ -1183,11 +1183,13 @@ def test_the_columns_path_reads_and_writes_the_activation_tile_without_bank_conf
 
 def test_the_pair_table_gives_every_lane_its_bytes_entry_from_its_own_bank(run_seed):
     """kernels/matmul_4bit_m8_pairs.cu's lookup: for any packed word, lane l's address for byte b holds
-    that byte's entry, in bank l (a warp's 32 lookups never conflict), inside the table; and the
-    table holds every entry once per bank."""
+    that byte's entry, in bank l (a warp's 32 lookups never conflict), inside the table; the
+    table, as the block's threads store it, holds every entry once per bank, each where
+    pair_entry puts it."""
     from tests import matmul_lanes as ml
 
-    table = ml.PAIR_TABLE
+    table = ml.PAIR_TABLE  # as stage_pair_table's threads store it
+    assert table == ml.pair_table_as_defined(), "the build stores some slot another entry than pair_entry's"
     assert len(table) * 4 == ml.PAIR_ROWS * ml.PAIR_ROW_WORDS * 4 <= 48 * 1024
     assert sorted((entry, word % 32) for word, entry in enumerate(table)) == sorted(
         itertools.product(range(256), range(32))
