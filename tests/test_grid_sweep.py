@@ -251,32 +251,33 @@ def test_the_cost_lines_take_each_tiles_fastest_grid_under_its_own_kernel():
 
 
 RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid-sweep-*.json"))
-# What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the rules'
-# grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded up: a
-# rule change that picks slower grids on a GPU it was measured on fails here, without a GPU. Both
-# sweeps' 8-token cases time the pair-table kernel with 16-byte weight loads (nested weights),
+# What the rules of this checkout give on the recorded sweeps (geometric mean and worst of the
+# rules' grid against the fastest, over the 8-token kernel's cases and the wider tiles'), rounded
+# up: a rule change that picks slower grids on a GPU it was measured on fails here, without a GPU.
+# Both sweeps' 8-token cases time the pair-table kernel with 16-byte weight loads (nested weights),
 # whose rule (waves, clusters of any size in one wave, and a clustered pair) gives 1.022 on the H100
-# and 1.017 on the H200, whose one-row cases time the few-rows build's columns form (1.014 on the
-# build before; 1.045 and 1.034 before the clusters' refit; the busiest-SM rule before it 1.101 and
-# 1.077 on 8-byte loads); the 16-row cases the 16-token pair-table kernel (1.0031 and
-# 1.0059 with its finish priced at 6 steps; the H200's 1.0105 since its 1- and 16-row cases were
-# timed again, with the tile's rows on 128-byte lines and the columns form built for 4 rows;
-# 1.0033 and 1.0074 at 2; 1.039 and 1.038 before the refit); the wider tiles together (16-128
-# rows) 1.004 on the H100 and 1.009 on the H200 (1.0083 since), whose
-# 128-row cases time the 128-token tile on the waves rule with splits down to 2 steps (1.003 and
-# 1.007; 1.010 each with 4; both sweeps of both of its Hopper builds) and whose 64-row cases the
-# 64-token tile on the waves rule with splits down to 3 steps, priced with a shared SM and its
-# partial sums' bytes (1.006 and 1.013; 1.020 and 1.026 priced as the other tiles, both timed after
-# the code pairs; 1.034 and 1.025 under the one-wave rule) (kernels/NOTES.md, "The waves rule's
-# clusters refit on the recorded sweeps", "Splits of 2 steps at 128 tokens", "The 64-token tile on
-# the waves rule", "The 16-token tile's finish priced at what it was measured to cost", "The
-# 64-token tile's waves priced with a shared SM and the partial sums' bytes"). The H200's 32-row
-# cases time both tiles a 17-32-row call may run, so they judge the tile rule with the grid rules:
-# 1.0255 (worst 1.100; 1.0261 with the 64-token tile's price) on the sweep re-recorded with its
-# confirmation stage and each tile judged by its own arithmetic; on the first record 1.0254 (worst
-# 1.108; 1.0257 with the 64-token tile's price), 1.039 (worst 1.123) with the 32-token tile on the
-# one-wave rule ("The grid sweep at 32 rows", "The 32-token tile's price: a tie the sweep could not
-# see", "The H200's 32-row sweep re-recorded").
+# and 1.020 on the H200 (1.017 before its 1-, 8- and 16-row cases were timed again on the pair table
+# built from 10 constant loads a thread: 1.018 at one row, 1.022 at 8), whose one-row cases time the
+# few-rows build's columns form (1.014 on the build before; 1.045 and 1.034 before the clusters'
+# refit; the busiest-SM rule before it 1.101 and 1.077 on 8-byte loads); the 16-row cases the
+# 16-token pair-table kernel (1.0031 and 1.0059 with its finish priced at 6 steps; the H200's 1.0105
+# since its 1- and 16-row cases were timed again, with the tile's rows on 128-byte lines and the
+# columns form built for 4 rows, and 1.0113 on the pair table of 10 constant loads; 1.0033 and
+# 1.0074 at 2; 1.039 and 1.038 before the refit); the wider tiles together (16-128 rows) 1.004 on
+# the H100 and 1.009 on the H200 (1.0083, then 1.0085 since), whose 128-row cases time the 128-token
+# tile on the waves rule with splits down to 2 steps (1.003 and 1.007; 1.010 each with 4; both
+# sweeps of both of its Hopper builds) and whose 64-row cases the 64-token tile on the waves rule
+# with splits down to 3 steps, priced with a shared SM and its partial sums' bytes (1.006 and 1.013;
+# 1.020 and 1.026 priced as the other tiles, both timed after the code pairs; 1.034 and 1.025 under
+# the one-wave rule) (kernels/NOTES.md, "The waves rule's clusters refit on the recorded sweeps",
+# "Splits of 2 steps at 128 tokens", "The 64-token tile on the waves rule", "The 16-token tile's
+# finish priced at what it was measured to cost", "The 64-token tile's waves priced with a shared SM
+# and the partial sums' bytes"). The H200's 32-row cases time both tiles a 17-32-row call may run,
+# so they judge the tile rule with the grid rules: 1.0255 (worst 1.100; 1.0261 with the 64-token
+# tile's price) on the sweep re-recorded with its confirmation stage and each tile judged by its own
+# arithmetic; on the first record 1.0254 (worst 1.108; 1.0257 with the 64-token tile's price), 1.039
+# (worst 1.123) with the 32-token tile on the one-wave rule ("The grid sweep at 32 rows", "The
+# 32-token tile's price: a tie the sweep could not see", "The H200's 32-row sweep re-recorded").
 RECORDED_BOUNDS = {"8-token": (1.023, 1.23), "17-32 rows": (1.026, 1.11), "wider": (1.009, 1.15)}
 # Cases a sweep holds: 30 weights at 1, 8, 16, 64 and 128 rows; on the H200 at 32 rows too.
 RECORDED_CASES = {"grid-sweep-nvidia-h100-80gb-hbm3.json": 150, "grid-sweep-nvidia-h200.json": 180}
