@@ -361,6 +361,30 @@ def test_a_shape_argument_names_a_weight_by_its_features_and_k():
     assert all(len(shape) == 2 for shape in grid_sweep.catalog_weights().values())
 
 
+def test_a_sweep_cut_short_keeps_the_cases_it_finished_for_a_replay(tmp_path):
+    """A sweep stopped after two cases (a runner's time limit) leaves those two and the machine in
+    the partial record, each rewrite whole; a replay judges them as it judges a complete record."""
+    recorded = json.loads(RECORDED[-1].read_text())
+    finished, partial = recorded["cases"][:2], tmp_path / "run" / grid_sweep.PARTIAL
+
+    def swept():
+        for n, case in enumerate(finished, 1):
+            yield case
+            assert len(json.loads(partial.read_text())["cases"]) == n  # written before the next is asked for
+        raise KeyboardInterrupt  # what a time limit's signal leaves the process with
+
+    with pytest.raises(KeyboardInterrupt):
+        grid_sweep.record_cases(recorded["machine"], swept(), tmp_path / "run")
+    assert json.loads(partial.read_text()) == {"machine": recorded["machine"], "cases": finished}
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [grid_sweep.PARTIAL]  # no staged copy left
+    assert grid_sweep.main([f"--out={tmp_path / 'replay'}", f"--replay={partial}"]) == 0
+    verdicts = json.loads((tmp_path / "replay" / "grid-sweep.json").read_text())["verdicts"]
+    assert verdicts == [grid_sweep.case_row(case, grid_sweep.TOLERANCE) for case in finished]
+    # A sweep that ends leaves only its report's record: no partial beside it.
+    done = grid_sweep.record_cases(recorded["machine"], iter(finished), tmp_path / "done")
+    assert done["cases"] == finished and not list((tmp_path / "done").iterdir())
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as_judged(cuda, tmp_path):
     args = ["--shape=small=1024x4096", "--rows=1,32,64", "--geomean-tolerance=10"]
@@ -383,6 +407,7 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
     assert {n.split()[0] for n in names} == {"m16", "m32"}
     assert grid_sweep.rules_choice(result["cases"][1]).startswith("m16 ")
     assert status == 0 and result["summary"]["cases out of bound"] == 0
+    assert not (tmp_path / "run" / grid_sweep.PARTIAL).exists()  # the complete record replaced it
     replayed = tmp_path / "replay"
     assert grid_sweep.main([f"--out={replayed}", f"--replay={tmp_path / 'run' / 'grid-sweep.json'}", *args[2:]]) == 0
     assert json.loads((replayed / "grid-sweep.json").read_text())["verdicts"] == result["verdicts"]

@@ -24,9 +24,10 @@ within ``--tolerance`` of the fastest.
 Grids within ``--confirm-within`` of a case's fastest are timed again in turns, and the case is
 judged by those times (``confirmed``): the first pass's short budget cannot order grids 1-2% apart.
 Each case is recorded with every grid's time and what the rules read of the GPU, so ``--replay``
-judges a changed rule against a recorded sweep without a GPU. The report ends with each kernel's
-fastest times at each row count fit as a fixed cost plus the bytes at a streaming rate
-(``cost_lines``).
+judges a changed rule against a recorded sweep without a GPU; a sweep cut short leaves the cases it
+finished in ``grid-sweep.partial.json`` (``record_cases``), which ``--replay`` judges as well. The
+report ends with each kernel's fastest times at each row count fit as a fixed cost plus the bytes at
+a streaming rate (``cost_lines``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import argparse
 import json
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -275,10 +276,9 @@ def sweep(
     weights: dict[str, tuple[int, int]],
     rows,
     within: float = CONFIRM_WITHIN,
-) -> list[dict]:
+) -> Iterator[dict]:
     """Every case (weight, rows) with its plan's inputs, every grid's time, and the near ties'
-    (``near_ties``, ``within`` of the fastest) confirmed times (``confirm``)."""
-    out = []
+    (``near_ties``, ``within`` of the fastest) confirmed times (``confirm``), one at a time."""
 
     def measure_us(run) -> float:
         return timer.measure_with(run, CONFIRM_STOP).median_s * 1e6
@@ -309,9 +309,26 @@ def sweep(
         if close:
             with torch.no_grad():
                 case["confirmed"] = confirm(measure_us, {name: runs[name] for name in close}, CONFIRM_ROUNDS)
-        out.append(case)
-        print(json.dumps(out[-1]), flush=True)
-    return out
+        print(json.dumps(case), flush=True)
+        yield case
+
+
+PARTIAL = "grid-sweep.partial.json"
+
+
+def record_cases(machine: dict, swept: Iterable[dict], out: Path) -> dict:
+    """The record of ``swept``'s cases on ``machine``. After each case the record so far is
+    rewritten to ``out / PARTIAL``, so a sweep cut short (a runner's time limit) keeps every case it
+    finished, which ``--replay`` judges; the file goes once the record is complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    partial, recorded = out / PARTIAL, {"machine": machine, "cases": []}
+    for case in swept:
+        recorded["cases"].append(case)
+        staged = partial.with_suffix(".tmp")
+        staged.write_text(json.dumps(recorded, indent=1, default=str) + "\n")
+        staged.replace(partial)  # whole or not at all, whenever the sweep stops
+    partial.unlink(missing_ok=True)
+    return recorded
 
 
 def report(recorded: dict, tolerance: float, geomean_tolerance: float, out: Path) -> int:
@@ -393,10 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     nvml = gpu_info.nvml_device(device.index)
     timer = gpu_timer.ColdL2Timer(device, stop=STOP, clock=gpu_info.sm_clock_reader(nvml))
     weights = dict(args.shape) if args.shape else WEIGHT_SETS[args.weights]()
-    recorded = {
-        "machine": gpu_info.machine_info(nvml),
-        "cases": sweep(timer, device, weights, _rows(args.rows), args.confirm_within),
-    }
+    swept = sweep(timer, device, weights, _rows(args.rows), args.confirm_within)
+    recorded = record_cases(gpu_info.machine_info(nvml), swept, args.out)
     return report(recorded, args.tolerance, args.geomean_tolerance, args.out)
 
 
