@@ -134,6 +134,20 @@ def test_grids_near_the_fastest_are_its_ties_fastest_first_and_a_lone_fastest_ha
     assert grid_sweep.near_ties({"1 x 64": 70.2}, 0.02) == []
 
 
+def test_the_rules_grid_is_confirmed_beside_the_fastest_wherever_it_is_not_a_near_tie():
+    times = {"4f x 16": 37.71, "5f x 13": 37.87, "3f x 22": 38.53, "1 x 64": 70.2}
+    assert grid_sweep.to_confirm(times, "5f x 13", 0.02) == ["4f x 16", "5f x 13"]  # a tie already
+    assert grid_sweep.to_confirm(times, "3f x 22", 0.02) == ["4f x 16", "5f x 13", "3f x 22"]
+    assert grid_sweep.to_confirm(times, "1 x 64", 0.001) == ["4f x 16", "1 x 64"]  # no ties: with the fastest
+    assert grid_sweep.to_confirm(times, "4f x 16", 0.001) == []  # the rules' grid the fastest, alone
+    assert grid_sweep.to_confirm(times, "2c x 32", 0.001) == []  # not timed (a NaN verdict): nothing to confirm
+    # The case's verdict then compares the two confirmed times, not the rules' first-pass one.
+    case = _case({"4f x 16": 37.71, "1 x 64": 70.2, RULE: 41.5})
+    assert grid_sweep.to_confirm(case["µs by grid"], grid_sweep.rules_choice(case), 0.02) == ["4f x 16", RULE]
+    row = grid_sweep.case_row(case | {"confirmed": {"4f x 16": 38.0, RULE: 38.5}}, 0.05)
+    assert row["ok"] and row["rules ÷ fastest"] == pytest.approx(38.5 / 38.0)
+
+
 def test_confirmed_times_are_medians_of_rounds_taken_in_turns_each_round_in_another_order():
     order, calls = [], {name: (lambda name=name: name) for name in ("a", "b", "c")}
     level = {"a": [40.0, 38.0, 39.0, 100.0], "b": [37.0, 37.5, 38.5, 37.2], "c": [39.0] * 4}
@@ -395,8 +409,9 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
         plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"], case["N"] * case["K"]), cuda.index)
         assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
         assert len(case["µs by grid"]) > 2 and grid_sweep.rules_choice(case) in case["µs by grid"]
-        # The near ties were timed again in turns, and only they (none where the fastest is alone).
-        ties = grid_sweep.near_ties(case["µs by grid"], grid_sweep.CONFIRM_WITHIN)
+        # The near ties and the rules' grid were timed again in turns, and only they (none where the
+        # rules' grid is the fastest, alone).
+        ties = grid_sweep.to_confirm(case["µs by grid"], grid_sweep.rules_choice(case), grid_sweep.CONFIRM_WITHIN)
         assert sorted(case.get("confirmed", {})) == sorted(ties) and all(
             us > 0 for us in case.get("confirmed", {}).values()
         )
