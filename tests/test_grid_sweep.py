@@ -134,6 +134,20 @@ def test_grids_near_the_fastest_are_its_ties_fastest_first_and_a_lone_fastest_ha
     assert grid_sweep.near_ties({"1 x 64": 70.2}, 0.02) == []
 
 
+def test_the_rules_grid_is_confirmed_beside_the_fastest_wherever_it_is_not_a_near_tie():
+    times = {"4f x 16": 37.71, "5f x 13": 37.87, "3f x 22": 38.53, "1 x 64": 70.2}
+    assert grid_sweep.to_confirm(times, "5f x 13", 0.02) == ["4f x 16", "5f x 13"]  # a tie already
+    assert grid_sweep.to_confirm(times, "3f x 22", 0.02) == ["4f x 16", "5f x 13", "3f x 22"]
+    assert grid_sweep.to_confirm(times, "1 x 64", 0.001) == ["4f x 16", "1 x 64"]  # no ties: with the fastest
+    assert grid_sweep.to_confirm(times, "4f x 16", 0.001) == []  # the rules' grid the fastest, alone
+    assert grid_sweep.to_confirm(times, "2c x 32", 0.001) == []  # not timed (a NaN verdict): nothing to confirm
+    # The case's verdict then compares the two confirmed times, not the rules' first-pass one.
+    case = _case({"4f x 16": 37.71, "1 x 64": 70.2, RULE: 41.5})
+    assert grid_sweep.to_confirm(case["µs by grid"], grid_sweep.rules_choice(case), 0.02) == ["4f x 16", RULE]
+    row = grid_sweep.case_row(case | {"confirmed": {"4f x 16": 38.0, RULE: 38.5}}, 0.05)
+    assert row["ok"] and row["rules ÷ fastest"] == pytest.approx(38.5 / 38.0)
+
+
 def test_confirmed_times_are_medians_of_rounds_taken_in_turns_each_round_in_another_order():
     order, calls = [], {name: (lambda name=name: name) for name in ("a", "b", "c")}
     level = {"a": [40.0, 38.0, 39.0, 100.0], "b": [37.0, 37.5, 38.5, 37.2], "c": [39.0] * 4}
@@ -361,6 +375,30 @@ def test_a_shape_argument_names_a_weight_by_its_features_and_k():
     assert all(len(shape) == 2 for shape in grid_sweep.catalog_weights().values())
 
 
+def test_a_sweep_cut_short_keeps_the_cases_it_finished_for_a_replay(tmp_path):
+    """A sweep stopped after two cases (a runner's time limit) leaves those two and the machine in
+    the partial record, each rewrite whole; a replay judges them as it judges a complete record."""
+    recorded = json.loads(RECORDED[-1].read_text())
+    finished, partial = recorded["cases"][:2], tmp_path / "run" / grid_sweep.PARTIAL
+
+    def swept():
+        for n, case in enumerate(finished, 1):
+            yield case
+            assert len(json.loads(partial.read_text())["cases"]) == n  # written before the next is asked for
+        raise KeyboardInterrupt  # what a time limit's signal leaves the process with
+
+    with pytest.raises(KeyboardInterrupt):
+        grid_sweep.record_cases(recorded["machine"], swept(), tmp_path / "run")
+    assert json.loads(partial.read_text()) == {"machine": recorded["machine"], "cases": finished}
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [grid_sweep.PARTIAL]  # no staged copy left
+    assert grid_sweep.main([f"--out={tmp_path / 'replay'}", f"--replay={partial}"]) == 0
+    verdicts = json.loads((tmp_path / "replay" / "grid-sweep.json").read_text())["verdicts"]
+    assert verdicts == [grid_sweep.case_row(case, grid_sweep.TOLERANCE) for case in finished]
+    # A sweep that ends leaves only its report's record: no partial beside it.
+    done = grid_sweep.record_cases(recorded["machine"], iter(finished), tmp_path / "done")
+    assert done["cases"] == finished and not list((tmp_path / "done").iterdir())
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as_judged(cuda, tmp_path):
     args = ["--shape=small=1024x4096", "--rows=1,32,64", "--geomean-tolerance=10"]
@@ -371,8 +409,9 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
         plan = mk.plan(mk.variant_for("bf16", "nf4", True, case["M"], case["N"] * case["K"]), cuda.index)
         assert case["plan"] == grid_sweep.plan_inputs(plan) and case["all in bound"], case
         assert len(case["µs by grid"]) > 2 and grid_sweep.rules_choice(case) in case["µs by grid"]
-        # The near ties were timed again in turns, and only they (none where the fastest is alone).
-        ties = grid_sweep.near_ties(case["µs by grid"], grid_sweep.CONFIRM_WITHIN)
+        # The near ties and the rules' grid were timed again in turns, and only they (none where the
+        # rules' grid is the fastest, alone).
+        ties = grid_sweep.to_confirm(case["µs by grid"], grid_sweep.rules_choice(case), grid_sweep.CONFIRM_WITHIN)
         assert sorted(case.get("confirmed", {})) == sorted(ties) and all(
             us > 0 for us in case.get("confirmed", {}).values()
         )
@@ -383,6 +422,7 @@ def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as
     assert {n.split()[0] for n in names} == {"m16", "m32"}
     assert grid_sweep.rules_choice(result["cases"][1]).startswith("m16 ")
     assert status == 0 and result["summary"]["cases out of bound"] == 0
+    assert not (tmp_path / "run" / grid_sweep.PARTIAL).exists()  # the complete record replaced it
     replayed = tmp_path / "replay"
     assert grid_sweep.main([f"--out={replayed}", f"--replay={tmp_path / 'run' / 'grid-sweep.json'}", *args[2:]]) == 0
     assert json.loads((replayed / "grid-sweep.json").read_text())["verdicts"] == result["verdicts"]
