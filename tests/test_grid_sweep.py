@@ -289,10 +289,12 @@ RECORDED = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("grid
 # and the partial sums' bytes"). The H200's 32-row cases time both tiles a 17-32-row call may run,
 # so they judge the tile rule with the grid rules: 1.0244 (worst 1.090) on the sweep re-recorded on
 # the table's cheaper build, the rules' grid confirmed beside the fastest; 1.0255 (worst 1.100;
-# 1.0261 with the 64-token tile's price) on the one before, re-recorded with its confirmation stage
-# and each tile judged by its own arithmetic; on the first record 1.0254 (worst 1.108; 1.0257 with the 64-token tile's price), 1.039
-# (worst 1.123) with the 32-token tile on the one-wave rule ("The grid sweep at 32 rows", "The
-# 32-token tile's price: a tie the sweep could not see", "The H200's 32-row sweep re-recorded").
+# 1.0261 with the 64-token tile's price) on the one before, re-recorded with its confirmation
+# stage and each tile judged by its own arithmetic; on the first record 1.0254 (worst 1.108;
+# 1.0257 with the 64-token tile's price), 1.039 (worst 1.123) with the 32-token tile on the
+# one-wave rule ("The grid sweep at 32 rows", "The 32-token tile's price: a tie the sweep could not
+# see", "The H200's 32-row sweep re-recorded", "The pushed splits timed, the 32-row sweep on the
+# cheaper table, and the stall reasons summed").
 RECORDED_BOUNDS = {"8-token": (1.023, 1.23), "17-32 rows": (1.026, 1.11), "wider": (1.009, 1.15)}
 # Cases a sweep holds: 30 weights at 1, 8, 16, 64 and 128 rows; on the H200 at 32 rows too.
 RECORDED_CASES = {"grid-sweep-nvidia-h100-80gb-hbm3.json": 150, "grid-sweep-nvidia-h200.json": 180}
