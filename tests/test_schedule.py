@@ -180,6 +180,36 @@ def test_the_pair_table_kernel_waits_for_its_loads_where_it_reads_them(arch, nam
         assert reads or first.position > max(copies), (loop, first, copies)
 
 
+def test_a_collective_guarded_against_divergence_is_found():
+    guarded = _sass(
+        [
+            "UMOV UR10, 0xffffffff",
+            "BRA.DIV UR10, `(.L_x_2)",
+            "SHFL.BFLY PT, R16, R16, 0x2, 0x1f",
+            ".L_x_2:",
+            "WARPSYNC.COLLECTIVE R56, `(.L_x_3)",
+            "SHFL.BFLY PT, R16, R16, 0x2, 0x1f",
+            "ENDCOLLECTIVE",
+            ".L_x_3:",
+            "SHFL.IDX PT, R168, R162, R140, 0x1f",
+            "EXIT",
+        ]
+    )
+    assert schedule.divergence_guards(schedule.parse(guarded)) == [1, 3, 5]
+    assert not schedule.divergence_guards(schedule.parse(SASS))
+
+
+@pytest.mark.parametrize(("arch", "name"), PAIR_TABLE_VARIANTS)
+def test_the_pair_table_kernels_shuffles_run_unguarded(arch, name):
+    """The pair-table kernel's shuffles (its scales to the feature pair's lanes, the traded halves of
+    16-byte runs) run with the warp converged, so no build may guard one against divergence: in a
+    build with two feature tiles a warp the compiler made trade_halves' selects branches around
+    the shuffles, and that build ran at half speed on an H200 (kernels/NOTES.md)."""
+    sass = schedule.variant_sass(name, arch)
+    guards = schedule.divergence_guards(sass)
+    assert not guards, [sass.instructions[k].text for k in guards[:4]]
+
+
 def test_the_command_names_the_variants_when_asked_for_one_it_does_not_have(capsys):
     with pytest.raises(SystemExit) as exit_:
         schedule.main(["mm4-no-such-variant", "--arch", "sm_90"])

@@ -220,6 +220,19 @@ def load_waits(sass: Sass, loop: Loop) -> list[Wait]:
     return out
 
 
+# What ptxas emits around a warp collective (a shuffle, a vote) it cannot prove the warp reaches
+# converged: a branch taken when the warp has diverged (BRA.DIV) to a copy run under
+# WARPSYNC.COLLECTIVE ... ENDCOLLECTIVE. The fused kernels' collectives all run converged; guarded,
+# they ran a build of the pair-table kernel at half speed on an H200 (the compiler had made a
+# select around its shuffles a branch: kernels/NOTES.md, "Two feature tiles a warp at 16 tokens").
+DIVERGENCE_GUARDS = ("BRA.DIV", "WARPSYNC", "ENDCOLLECTIVE")
+
+
+def divergence_guards(sass: Sass) -> list[int]:
+    """Indices of the instructions with which the code guards a collective against divergence."""
+    return [k for k, ins in enumerate(sass.instructions) if ins.opcode.startswith(DIVERGENCE_GUARDS)]
+
+
 def nvdisasm() -> str:
     path = find_nvidia_binary_utility("nvdisasm")
     if path is None:
