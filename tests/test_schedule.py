@@ -4,6 +4,8 @@ kernel's design rule that every load of a step is issued a step ahead of its fir
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from harness.compile_check import schedule
@@ -136,6 +138,12 @@ PAIR_TABLE_VARIANTS = [
 ]
 
 
+@functools.cache
+def _variant_sass(name: str, arch: str) -> schedule.Sass:
+    """A pair-table build's SASS, disassembled once a test process for the tests that read it."""
+    return schedule.variant_sass(name, arch)
+
+
 def _step_loops(sass):
     """The pair-table kernel's step loops: those that stream weights (evict-first global loads)."""
     return [
@@ -151,7 +159,7 @@ def test_the_pair_table_kernel_issues_every_load_of_a_step_a_step_ahead(arch, na
     version of the columns path that held every word's table addresses first broke this (the
     compiler copied the loaded registers at the step's end; kernels/NOTES.md, "Chunks as mma
     columns"), and no GPU was needed to see it."""
-    sass = schedule.variant_sass(name, arch)
+    sass = _variant_sass(name, arch)
     step_loops = _step_loops(sass)
     assert len(step_loops) == 3, "one step loop for each of the kernel's chunk widths (16-, 8- and 4-byte loads)"
     for loop in step_loops:
@@ -168,7 +176,7 @@ def test_the_pair_table_kernel_waits_for_its_loads_where_it_reads_them(arch, nam
     So each step loop's first wait on its loads must be at an instruction that reads a loaded
     register, or after the step's activation copies have all been issued. (Not the few-rows build nor
     its columns form, which keep the branch so that their warps with no row skip their copies.)"""
-    sass = schedule.variant_sass(name, arch)
+    sass = _variant_sass(name, arch)
     step_loops = _step_loops(sass)
     assert step_loops
     for loop in step_loops:
@@ -205,7 +213,7 @@ def test_the_pair_table_kernels_shuffles_run_unguarded(arch, name):
     16-byte runs) run with the warp converged, so no build may guard one against divergence: in a
     build with two feature tiles a warp the compiler made trade_halves' selects branches around
     the shuffles, and that build ran at half speed on an H200 (kernels/NOTES.md)."""
-    sass = schedule.variant_sass(name, arch)
+    sass = _variant_sass(name, arch)
     guards = schedule.divergence_guards(sass)
     assert not guards, [sass.instructions[k].text for k in guards[:4]]
 
