@@ -1,6 +1,7 @@
 """The static schedule (``harness.compile_check.schedule``): reading nvdisasm's SASS, finding a
 loop's main path and each global load's lead; and, on the NVRTC cubins (no GPU), the pair-table
-kernel's design rule that every load of a step is issued a step ahead of its first use."""
+kernel's design rules: every load of a step issued a step ahead of its first use, and no shuffle
+guarded against divergence."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ result will release when it lands (a variable-latency instruction's write barrie
 guards its source registers, and the scoreboards it waits for before it issues. A warp that waits on
 a scoreboard waits for every outstanding instruction assigned to it, so the printout lists where a
 loop's main path waits on its global loads' scoreboards: the points a load-bound step stalls at.
+``divergence_guards`` finds the code with which ptxas guards a warp collective it cannot prove
+converged.
 """
 
 from __future__ import annotations
