@@ -114,7 +114,7 @@ def test_the_decoded_scoreboards_fit_what_each_instruction_is(arch):
     """A check of the field layout on real code: in the pair-table kernel every global load sets a
     write scoreboard (its result lands after a variable latency) and no fixed-latency arithmetic
     (FFMA, IADD3, LOP3, PRMT, HMMA) sets one; a wrong layout would put random bits in both."""
-    sass = schedule.variant_sass("mm4-nf4-bf16-nested-m8-w4-few", arch)
+    sass = _variant_sass("mm4-nf4-bf16-nested-m8-w4-few", arch)
     loads = [ins for ins in sass.instructions if ins.global_load()]
     fixed = [ins for ins in sass.instructions if ins.opcode.split(".")[0] in ("FFMA", "IADD3", "LOP3", "PRMT", "HMMA")]
     assert loads and fixed and all(ins.control is not None for ins in sass.instructions)

@@ -49,7 +49,7 @@ from harness.correctness import cases, shapes
 from harness.correctness import matmul_reference as mr
 from harness.correctness.op_checks import matmul as matmul_checks
 from harness.perf import gpu_info, gpu_timer
-from harness.runtime import launcher, matmul, matmul_kernel
+from harness.runtime import jit, launcher, matmul, matmul_kernel
 
 # The decode kernels at one and two token tiles; both tiles of 32 rows; the wide 64- and 128-token tiles.
 ROWS = (1, 8, 16, 32, 64, 128)
@@ -339,9 +339,7 @@ def record_cases(machine: dict, swept: Iterable[dict], out: Path) -> dict:
     partial, recorded = out / PARTIAL, {"machine": machine, "cases": []}
     for case in swept:
         recorded["cases"].append(case)
-        staged = partial.with_suffix(".tmp")
-        staged.write_text(json.dumps(recorded, indent=1, default=str) + "\n")
-        staged.replace(partial)  # whole or not at all, whenever the sweep stops
+        jit.atomic_write(partial, (json.dumps(recorded, indent=1, default=str) + "\n").encode())
     partial.unlink(missing_ok=True)
     return recorded
 

@@ -244,7 +244,9 @@ def _nvrtc_compile_program(nvrtc, spec: CompileSpec, source: Path, options: list
     return cubin, log_text
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole or stays as it was, whenever the process stops (a unique
+    temporary file beside it, renamed over it; removed if the write fails)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -301,6 +303,6 @@ def compile_kernel(spec: CompileSpec, use_cache: bool = True) -> CompiledKernel:
             "resources": [r.as_dict() for r in resources],
             "log": log,
         }
-        _atomic_write(stem_path.with_suffix(".cubin"), cubin)
-        _atomic_write(stem_path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        atomic_write(stem_path.with_suffix(".cubin"), cubin)
+        atomic_write(stem_path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
     return CompiledKernel(key, cubin, resources, log, stem_path.with_suffix(".cubin"), False)
