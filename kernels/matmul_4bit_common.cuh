@@ -130,9 +130,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fi
 // any of the step has run (`python -m harness.compile_check.schedule` shows where each step waits).
 template <int kRows, unsigned kSmemStride>
 __device__ __forceinline__ void cp_async16_rows(void* smem, const void* gmem, long long gmem_stride, int n, int fill) {
-    static_assert(kRows == 2 || kRows == 4, "two or four rows a thread");
+    static_assert(kRows == 2 || kRows == 4 || kRows == 8, "two, four or eight rows a thread");
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    if constexpr (kRows == 2) {
+    if constexpr (kRows == 8) {  // two fours; the second's rows past n are predicated off, not branched around
+        cp_async16_rows<4, kSmemStride>(smem, gmem, gmem_stride, n, fill);
+        cp_async16_rows<4, kSmemStride>(static_cast<char*>(smem) + 4 * kSmemStride,
+                                        static_cast<const char*>(gmem) + 4 * gmem_stride, gmem_stride, n - 4, fill);
+    } else if constexpr (kRows == 2) {
         asm volatile(
             "{\n.reg .pred p0, p1;\n.reg .u64 g1;\n"
             "setp.gt.s32 p0, %3, 0;\nsetp.gt.s32 p1, %3, 1;\nadd.u64 g1, %1, %4;\n"

@@ -36,8 +36,8 @@
 #define STEP_K 256  // k one warp covers per step
 #include "matmul_4bit_common.cuh"
 
-#if MM_TOKENS != 8 && MM_TOKENS != 16
-#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8 or 16 (more: the wide-tile kernels)"
+#if MM_TOKENS != 8 && MM_TOKENS != 16 && MM_TOKENS != 32
+#error "matmul_4bit_m8_pairs.cu takes MM_TOKENS 8, 16 or 32 (more: the wide-tile kernels)"
 #endif
 // MM_FEW_ROWS (the build the host picks for calls of at most that many rows, one token tile): only the
 // lanes of token rows below it read activations, the others multiply zeros into outputs that are
@@ -64,7 +64,7 @@
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower on an H100;
 // with today's kernel 4 bytes spilled and 3-18% slower at 9-16 rows on an H200). NOTES.
-#define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : 3)
+#define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : MM_TOKENS == 16 ? 3 : 2)
 
 #define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
 #define PAIR_ROW_WORDS 64  // 32 copies of each
@@ -262,7 +262,7 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
 // pieces 8c + 4t + j of rows 0 to 3, so a slot of padding every 8 pieces and rows 38 slots apart
 // put them in the fewest wavefronts (8 lanes at 1-2 rows: 8 different 16-byte bank groups, one
 // wavefront; 16 lanes at 3-4 rows: no group hit more than twice, two).
-#define ALIGNED_ROWS (MM_TOKENS == 16)
+#define ALIGNED_ROWS (MM_TOKENS >= 16)
 template <int kChunk, bool kCols = false>
 __device__ __forceinline__ constexpr int act_slot(int row, int piece) {
     if constexpr (kCols) return row * (ACT_ROW_CHUNKS + 6) + piece + (piece >> 3);
