@@ -7,7 +7,8 @@
 //   MM_DTYPE   0 = fp16, 1 = bf16 (activations, decoded weights and output)
 //   MM_QUANT   0 = nf4,  1 = fp4
 //   MM_NESTED  0 = fp32 absmax per block, 1 = uint8 absmax codes decoded in-kernel
-//   MM_TOKENS  tokens per warp tile (8 for matmul_4bit_m8.cu; 16, 32, 64 or 128 for the wide-tile kernels)
+//   MM_TOKENS  tokens per warp tile (8 or 16 for matmul_4bit_m8.cu, 8, 16 or 32 for matmul_4bit_m8_pairs.cu;
+//              32, 64 or 128 for the wide-tile kernels)
 //   MM_WARPS   warps per block (each owns 16 output features)
 //   MM_CLUSTER_SPLITS  the most splits of K a thread block cluster adds (0: the kernel has no cluster
 //              epilogue; harness/runtime/matmul_kernel.py's CLUSTER_SPLITS says which kernels do)
@@ -123,7 +124,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fi
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(fill ? 16 : 0));
 }
 
-// 16 bytes of each of the first `n` of kRows rows (2 or 4; row r at smem + r * kSmemStride bytes, gmem
+// 16 bytes of each of the first `n` of kRows rows (2, 4 or 8; row r at smem + r * kSmemStride bytes, gmem
 // + r * gmem_stride bytes; `fill` 16, or 0 for zeros), as one asm block of predicated copies. Copies
 // behind branches (a loop with `if (r < n)`, or a helper called under a condition) make the compiler
 // wait there for every global load in flight, which share one scoreboard: at a step's top, before
@@ -131,12 +132,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fi
 template <int kRows, unsigned kSmemStride>
 __device__ __forceinline__ void cp_async16_rows(void* smem, const void* gmem, long long gmem_stride, int n, int fill) {
     static_assert(kRows == 2 || kRows == 4 || kRows == 8, "two, four or eight rows a thread");
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if constexpr (kRows == 8) {  // two fours; the second's rows past n are predicated off, not branched around
         cp_async16_rows<4, kSmemStride>(smem, gmem, gmem_stride, n, fill);
         cp_async16_rows<4, kSmemStride>(static_cast<char*>(smem) + 4 * kSmemStride,
                                         static_cast<const char*>(gmem) + 4 * gmem_stride, gmem_stride, n - 4, fill);
-    } else if constexpr (kRows == 2) {
+        return;
+    }
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    if constexpr (kRows == 2) {
         asm volatile(
             "{\n.reg .pred p0, p1;\n.reg .u64 g1;\n"
             "setp.gt.s32 p0, %3, 0;\nsetp.gt.s32 p1, %3, 1;\nadd.u64 g1, %1, %4;\n"

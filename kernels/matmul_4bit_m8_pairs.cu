@@ -1,4 +1,4 @@
-// Fused 4-bit matmul for up to 16 tokens (decode; one or two mma token tiles of 8) of a weight with
+// Fused 4-bit matmul for up to 32 tokens (decode; one, two or four mma token tiles of 8) of a weight with
 // nested scales: out[m, n] = sum_k A[m, k] * W[n, k] (+ bias[n]), W in the bitsandbytes packed
 // format (kernels/dequantize_4bit.cu states it), never written out. Plain scales run
 // matmul_4bit_m8.cu (this arithmetic measured less accurate than bitsandbytes' there:
@@ -25,7 +25,7 @@
 // loads, 3.10 with 16-byte ones, 4.58 with the register tables: NOTES).
 //
 // Layout: mma.sync.m16n8k16, weights as operand A (16 features x 16 k), activations as operand B
-// (16 k x 8 tokens; at 16 tokens each decoded fragment feeds the mmas of both token tiles). One
+// (16 k x 8 tokens; at 16 and 32 tokens each decoded fragment feeds the mmas of every token tile). One
 // warp owns 16 features, lane (g = lane / 4, t = lane % 4) features g and g + 8. A chunk (CHUNK_K
 // k, one scale block or less) is CHUNK_K / 16 mmas; lane t holds the chunk's k t * CHUNK_K / 4 ..
 // + CHUNK_K / 4 - 1 of both its features (CHUNK_K / 8 bytes each) and mma j takes its codes 4j ..
@@ -63,7 +63,9 @@
 #endif
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower on an H100;
-// with today's kernel 4 bytes spilled and 3-18% slower at 9-16 rows on an H200). NOTES.
+// with today's kernel 4 bytes spilled and 3-18% slower at 9-16 rows on an H200). 32 tokens: 225 on
+// sm_90 (245 before it), 2 blocks: each decoded fragment feeds 8 mmas, so fewer warps keep the pipes
+// busy (0.80-0.94x the wgmma kernel's 32-token tile on an H200). NOTES.
 #define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : MM_TOKENS == 16 ? 3 : 2)
 
 #define PAIR_ROWS 128      // entries e and e | 128 share a row of the table
@@ -251,7 +253,7 @@ __device__ __forceinline__ void load_step(StepWeights<kChunk>& w, int step, cons
 // Piece p (16 bytes, 8 k) of token row r sits in slot r * stride + p: one padding slot a row at
 // chunks of 64 (a quarter warp reads pieces 2t + h of rows 2q and 2q + 1: 8 different 16-byte bank
 // groups), four at chunks of 32 (pieces t of the same rows).
-// ALIGNED_ROWS (the 16-token tile): rows 8 slots of padding apart, each on a 128-byte line, so a
+// ALIGNED_ROWS (the 16- and 32-token tiles): rows 8 slots of padding apart, each on a 128-byte line, so a
 // quarter warp's cp.async of 8 consecutive pieces writes one line and takes one wavefront (two where
 // a row starts mid-line: 2.75x the staging's ideal wavefronts); in odd rows p ^ 1 at chunks of 64,
 // p ^ 4 at chunks of 32, so the reads of rows 2q and 2q + 1 still hit 8 different bank groups. On

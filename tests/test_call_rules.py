@@ -292,10 +292,10 @@ BLOCKS_PER_SM, SMS, CROSSOVER = 4, 132, ((0, 2), (96 * 128, 32))
 MAX_CLUSTERS = (0, 0, 260, 170, 130, 1, 1, 1, 1)
 
 
-def _clusters(tokens: int, max_clusters: tuple[int, ...]) -> tuple[int, ...]:
-    """The stand-in GPU's clusters at once for a token tile's kernel, as a Hopper plan has them:
-    only for the kernels compiled with the cluster epilogue, up to their size."""
-    sizes = matmul_kernel.MatmulVariant("bf16", "nf4", True, tokens).cluster_splits("sm_90")
+def _clusters(variant: matmul_kernel.MatmulVariant, max_clusters: tuple[int, ...]) -> tuple[int, ...]:
+    """The stand-in GPU's clusters at once for a variant's kernel, as a Hopper plan has them: only
+    for the kernels compiled with the cluster epilogue, up to their size."""
+    sizes = variant.cluster_splits("sm_90")
     return max_clusters[: sizes + 1] if sizes and max_clusters else ()
 
 
@@ -303,7 +303,7 @@ def _stand_in_matmul_plan(max_clusters: tuple[int, ...]):
     """``matmul_kernel.plan`` on a stand-in Hopper GPU: a variant's plan with stand-in kernels."""
 
     def plan_of(variant: matmul_kernel.MatmulVariant, _device) -> matmul_kernel.Plan:
-        clusters = _clusters(variant.tokens, max_clusters)
+        clusters = _clusters(variant, max_clusters)
         shared = variant.dynamic_shared_bytes("sm_90")
         main = _stand_in_kernel(variant.name, matmul_kernel.MAIN_PARAMS, shared)
         finish = _stand_in_kernel(f"{variant.name}-finish", matmul_kernel.FINISH_PARAMS)

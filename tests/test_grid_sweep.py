@@ -4,6 +4,7 @@ end, every grid's output inside the bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -30,7 +31,7 @@ NO_CLUSTERS = mk.Plan(None, None, 128, 4, 108, (), mk.WAVES)
 def test_the_sweep_times_the_rules_grid_first_then_every_other_grid_the_kernel_runs(plan, M, N, K):
     tokens = mk.token_tile(M)
     grids = grid_sweep.candidate_grids(plan, M, N, K, tokens)
-    steps = mk.steps_of(K, tokens)
+    steps = mk.steps_of(K, plan.rule)
     assert grids[0] == plan.grid(M, N, K, tokens)
     assert len(set(grids)) == len(grids) and all(plan.runs(g, M, N, K, tokens) for g in grids)
     # Every split count that leaves no split empty, up to MAX_SPLITS, finished; clustered where held.
@@ -66,14 +67,14 @@ def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
             for rule in (mk.WAVES, mk.BUSIEST_SM)
         ],
         16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
-        32: [mk.Plan(None, None, 128, hopper.WIDE32_PER_SM, hopper.SMS, (), mk.WAVES)],
-        64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES)],
+        32: [PAIRS32, WIDE32],
+        64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES_WIDE)],
         128: list(hopper.wide128_plans().values()),
     }
     shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}
     for (N, K), M in itertools.product(sorted(shapes), (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 300)):
         for tokens in mk.tile_choices(M, True):  # both tiles at 17-32 rows
-            for plan in [*plans.get(tokens, []), NO_CLUSTERS]:
+            for plan in [*plans.get(tokens, []), NO_CLUSTERS, dataclasses.replace(NO_CLUSTERS, rule=mk.WAVES_WIDE)]:
                 grid = plan.grid(M, N, K, tokens)
                 assert plan.runs(grid, M, N, K, tokens), (N, K, M, tokens, plan.rule, grid)
 
@@ -215,10 +216,12 @@ def test_a_recorded_case_of_two_builds_is_judged_by_the_build_the_rules_pick():
     assert grid_sweep.case_row(case | {"µs by grid": {default: 123.0}}, 0.05)["rules' grid"] == default
 
 
-# The two tiles of a 17-32-row call on an H100 or H200, as the sweep records them: the pair-table
-# kernel at 16 tokens and the Hopper kernel at 32 (5 blocks an SM, no cluster epilogue).
+# The two tiles of a 17-32-row call on an H100 or H200, as the sweep recorded them before the
+# pair-table kernel's 32-token tile: that kernel at 16 tokens and the Hopper kernel at 32 (5 blocks an
+# SM, no cluster epilogue; plain scales' 32-token tile since); and the pair-table kernel's 32-token tile.
 PAIRS16 = mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)
-WIDE32 = mk.Plan(None, None, 128, hopper.WIDE32_PER_SM, hopper.SMS, (), mk.WAVES)
+WIDE32 = mk.Plan(None, None, 128, hopper.WIDE32_PER_SM, hopper.SMS, (), mk.WAVES_WIDE)
+PAIRS32 = mk.Plan(None, None, 128, hopper.PAIRS32_PER_SM, hopper.SMS, hopper.PAIRS32_CLUSTERS, mk.WAVES)
 
 
 def _two_tile_case(M: int, N: int, K: int, us16: float, us32: float) -> dict:
@@ -332,10 +335,11 @@ def test_the_rules_pick_grids_near_the_fastest_on_each_recorded_sweep(path):
 
 
 def test_each_tile_of_a_sweep_is_judged_by_its_own_arithmetic(bnb, run_seed):
-    """At 32 rows the sweep runs both tiles on every weight. A small weight's call (rules: two
-    16-token tiles, scaled sums) still has its 32-token grids judged as the dequantized bits, whose
-    bound is the tighter; a large weight's 16-token grids as scaled sums, whose bound is the wider
-    (judged as the call's arithmetic, an H200 sweep read one output of 9216x3072 at 1.12x the bound)."""
+    """At 32 rows the sweep runs both tiles on every weight: two 16-token tiles and the pair-table
+    kernel's 32-token tile, both scaled sums (the wide kernel's 32-token tile, which large weights ran
+    before, was judged as the dequantized bits, whose bound is the tighter: judged as the call's
+    arithmetic, an H200 sweep read one 16-token output of 9216x3072 at 1.12x it). A tile of the wide
+    kernel (64 tokens) is judged as the dequantized bits whatever the call's rows."""
     from harness.correctness import matmul_reference as mr
 
     B, qs = cases.quantize_weights((64, 512), "nf4", 64, True, torch.bfloat16, seed=run_seed, device="cpu")
@@ -344,12 +348,13 @@ def test_each_tile_of_a_sweep_is_judged_by_its_own_arithmetic(bnb, run_seed):
     variants = grid_sweep.tile_variants(32, 64, 512)
     assert [v.tokens for v in variants] == [16, 32]
     bounds = {v.tokens: grid_sweep.tile_reference(v, x, B, qs, W).bound for v in variants}
-    call = mr.fused_reference(x, B, qs, W, None, torch.bfloat16).bound  # the small weight's: scaled sums
-    assert torch.equal(bounds[16], call)
-    assert torch.equal(bounds[32], mr.kernel_reference("dequantized", x, B, qs, W, None, torch.bfloat16).bound)
-    assert bool((bounds[32] < bounds[16]).all())
-    large = 28672 * 8192
-    assert mr.arithmetic_of(32, True, large) == "dequantized" != mr.arithmetic_of_tile(16, True)
+    call = mr.fused_reference(x, B, qs, W, None, torch.bfloat16).bound  # scaled sums
+    dequantized = mr.kernel_reference("dequantized", x, B, qs, W, None, torch.bfloat16).bound
+    assert torch.equal(bounds[16], call) and torch.equal(bounds[32], call)
+    assert bool((dequantized < call).all())
+    wide = mk.variant_for("bf16", "nf4", True, 64, 64 * 512)
+    assert torch.equal(grid_sweep.tile_reference(wide, x, B, qs, W).bound, dequantized)
+    assert mr.arithmetic_of(32, True) == mr.arithmetic_of_tile(16, True) != mr.arithmetic_of_tile(64, True)
 
 
 def test_a_grid_whose_output_leaves_the_bound_is_named_with_its_worst_ratio(monkeypatch):

@@ -29,7 +29,7 @@ from tests import hopper_plans as hopper
 
 # The grid rules by the kernel that follows them (matmul_kernel.GRID_RULES); the wide tiles ignore it.
 BUSIEST, WAVES = matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES
-WIDE = WAVES
+WIDE = matmul_kernel.WAVES_WIDE
 
 # A weight past the size that runs 17-32 rows as two 16-token tiles (matmul_kernel.tile_for): its
 # calls take the smallest token tile that holds them.
@@ -153,7 +153,8 @@ def test_this_gpu_runs_the_columns_form_by_its_own_figures(cuda):
 def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the_pair_table_kernel():
     """Where a launch is mostly its fixed cost (kernels/NOTES.md, "17-32 rows of a small weight as two
     16-token tiles"): nested weights of at most TWO_TILE_ELEMENTS, 17-32 rows; not plain ones, not
-    larger weights, not other row counts."""
+    larger weights, not other row counts. The larger nested weights run the pair-table kernel's own
+    32-token tile there, on every arch; plain ones the wide kernels'."""
     small, last = 1024 * 8192, matmul_kernel.TWO_TILE_ELEMENTS
     for m, nested, elements in itertools.product(range(1, 70), (False, True), (small, last, last + 1, LARGE)):
         v = matmul_kernel.variant_for("bf16", "nf4", nested, m, elements)
@@ -161,20 +162,26 @@ def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the
         assert v.tokens == (16 if two_tiles else matmul_kernel.token_tile(m)), (m, nested, elements)
         if two_tiles:
             assert v.build("sm_90")[0] == matmul_kernel.SOURCE_M8_PAIRS and not v.few_rows
-            assert v in matmul_kernel.all_variants("sm_90") and matmul_kernel.steps_of(8192, v.tokens) == 32
+            assert v in matmul_kernel.all_variants("sm_90") and matmul_kernel.steps_of(8192, v.grid_rule("sm_90")) == 32
+        elif 16 < m <= 32:
+            pairs = nested and v.tokens == 32
+            for arch, wide in (("sm_80", matmul_kernel.SOURCE_WIDE), ("sm_90", matmul_kernel.SOURCE_SM90)):
+                assert v.build(arch)[0] == (matmul_kernel.SOURCE_M8_PAIRS if pairs else wide), (m, nested, arch)
+                assert v.grid_rule(arch) == (matmul_kernel.WAVES if pairs else WIDE)
     # The weights measured on both sides of the line: Gemma-3-27B's k 2048x5376 and Qwen2.5-7B's q 3584x3584.
     assert 2048 * 5376 <= last < 3584 * 3584
 
 
 def test_every_token_tile_has_a_grid_rule_and_the_32_token_tile_splits_the_large_gate_weights():
-    """The decode tiles follow their rules, the wider ones the waves rule (``grid_for`` has no other
-    branch). On an H100 or H200 (5 blocks of the Hopper 32-token tile an SM, no cluster epilogue) the
+    """The decode tiles follow their rules, the wider ones the wide waves rule (``grid_for`` has no other
+    branch). On an H100 or H200 (5 blocks of the Hopper 32-token tile an SM, no cluster epilogue; plain
+    scales' since the pair-table kernel's own 32-token tile runs the nested ones) the
     gate weights at 32 rows run in finished splits, as the H200 sweep measured fastest (28672x8192:
     4 of 16 steps 112 µs, unsplit 122), and 4096x4096 in 8, not the finished pair (1.35x)."""
     assert set(matmul_kernel.TOKEN_TILES) == set(matmul_kernel.DECODE_TILES) | set(matmul_kernel.WAVES_WIDE_TILES)
-    grid = matmul_kernel.grid_for(32, 28672, 8192, 32, 5, 132, (), rule=matmul_kernel.WAVES)
+    grid = matmul_kernel.grid_for(32, 28672, 8192, 32, 5, 132, (), rule=WIDE)
     assert grid.blocks == (448, 4, 1) and grid.steps_per_split == 16 and grid.finished
-    grid = matmul_kernel.grid_for(32, 4096, 4096, 32, 5, 132, (), rule=matmul_kernel.WAVES)
+    grid = matmul_kernel.grid_for(32, 4096, 4096, 32, 5, 132, (), rule=WIDE)
     assert grid.splits == 8 and grid.steps_per_split == 4
 
 
@@ -195,14 +202,14 @@ def _cheapest_waves_grid(groups: int, steps: int, plan: tuple, *priced) -> matmu
 )
 def test_the_32_token_tile_prices_a_shared_block_below_the_64_token_tiles(N, K, splits, steps):
     """At 32 rows on Hopper (5 blocks of the 32-token tile an SM, no clusters) the waves rule's
-    finished grids under ``WAVES_PRICES[32]``; under the 64-token tile's price 8192x8192 took 4
+    finished grids under its ``WAVES_PRICES``; under the 64-token tile's price 8192x8192 took 4
     splits of 16 steps, which the sweep's coarse timing put 0.4% ahead of 5 of 13 and side by side
     ran 1.5% slower (kernels/NOTES.md, "The 32-token tile's price: a tie the sweep could not see")."""
     g = matmul_kernel.grid_for(32, N, K, 32, 5, 132, (), rule=WIDE)
     assert (g.splits, g.steps_per_split, g.finished) == (splits, steps, True)
-    mine, wide = matmul_kernel.waves_price(32), matmul_kernel.waves_price(64)
+    mine, wide = matmul_kernel.waves_price(32, WIDE), matmul_kernel.waves_price(64, WIDE)
     assert mine.shared_sm_step < wide.shared_sm_step and mine.finish_steps_per_mb > wide.finish_steps_per_mb
-    groups, all_steps, split_mb = g.blocks[0], matmul_kernel.steps_of(K, 32), matmul_kernel.partial_sums_mb(32 * N)
+    groups, all_steps, split_mb = g.blocks[0], matmul_kernel.steps_of(K, WIDE), matmul_kernel.partial_sums_mb(32 * N)
     assert _cheapest_waves_grid(groups, all_steps, (5, 132, ()), mine, split_mb) == g
     if (N, K) == (8192, 8192):  # what the 64-token tile's price picked
         old = _cheapest_waves_grid(groups, all_steps, (5, 132, ()), wide, split_mb)
@@ -233,25 +240,26 @@ def test_a_calls_tile_is_one_of_its_tile_choices_and_only_17_to_32_nested_rows_h
 @pytest.mark.parametrize("rule", [matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES])
 def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, sms, rule):
     tokens = matmul_kernel.token_tile(M)
+    rule = rule if tokens in matmul_kernel.DECODE_TILES else WIDE  # the wide tiles have their own
     g = matmul_kernel.grid_for(M, N, K, tokens, per_sm, sms, rule=rule)
     groups, splits, tiles = g.blocks
-    steps = matmul_kernel.steps_of(K, tokens)
+    steps = matmul_kernel.steps_of(K, rule)
     assert (splits - 1) * g.steps_per_split < steps <= splits * g.steps_per_split  # no empty split, none missing
     assert groups * matmul_kernel.features_per_block(tokens) >= N and tiles * tokens >= M
     assert splits <= matmul_kernel.MAX_SPLITS and not g.clustered  # no clusters on this GPU
     assert g.workspace_elements(M, N) == (splits * M * N if splits > 1 else 0)
     # The partial sums stay within their share of the weights' bytes; a split's pipeline fill pays.
     assert 4 * splits * M * N <= matmul_kernel.PARTIAL_SHARE * N * K / 2 or splits == 1
-    assert g.steps_per_split >= matmul_kernel.min_split_steps(tokens) or splits == 1
+    assert g.steps_per_split >= matmul_kernel.min_split_steps(tokens, rule) or splits == 1
     blocks = groups * splits * tiles
-    if tokens not in matmul_kernel.DECODE_TILES:  # wide tiles: one wave, never a nearly empty second
+    if rule == WIDE:  # wide tiles: one wave, never a nearly empty second
         assert splits == 1 or blocks <= per_sm * sms
         return
     busiest = matmul_kernel.busiest_sm_steps(blocks, g.steps_per_split, sms)
     if rule == matmul_kernel.WAVES or per_sm < matmul_kernel.BUSIEST_SM_BLOCKS:
         # No fewer splits cost the waves rule less; or, at 4 or more blocks an SM, two splits replace
         # the unsplit grid it picked, their busiest SM running no more steps.
-        price = (matmul_kernel.waves_price(tokens), matmul_kernel.partial_sums_mb(M * N))
+        price = (matmul_kernel.waves_price(tokens, rule), matmul_kernel.partial_sums_mb(M * N))
         costs = [
             matmul_kernel.waves_grid(groups, tiles, steps, s, per_sm, sms, (), *price)[0][0]
             for s in range(1, splits + 1)
@@ -261,7 +269,7 @@ def test_the_grid_covers_every_step_once_and_spreads_the_work(M, N, K, per_sm, s
             assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)
         return
     assert busiest <= matmul_kernel.busiest_sm_steps(groups * tiles, steps, sms)  # never worse than unsplit
-    cap = min(steps // matmul_kernel.min_split_steps(tokens), matmul_kernel.MAX_SPLITS)
+    cap = min(steps // matmul_kernel.min_split_steps(tokens, rule), matmul_kernel.MAX_SPLITS)
     if blocks >= sms and splits < -(-steps // -(-steps // cap)):  # fewer splits than the most the caps reach
         # Work to spread and splits to spare: the busiest SM runs at most 15% more steps than the average.
         assert busiest <= 1.15 * groups * tiles * steps / sms, (g, busiest)
@@ -315,6 +323,29 @@ def test_two_splits_in_a_cluster_replace_the_finish_where_they_measured_faster(N
         assert not matmul_kernel.grid_for(M, N, K, 8, hopper.M8_PER_SM, hopper.SMS, rule=BUSIEST).clustered
 
 
+# The pair-table kernel's 32-token tile on an H200, every grid of 1-16 splits it ran, each as its time
+# over the fastest's (bf16, nested nf4, blocks of 64; 32 rows, 24 alike): kernels/NOTES.md, "The
+# pair-table kernel's 32-token tile at two blocks an SM". "2c": 2 clustered splits, "3f": 3 finished.
+PAIRS32_TIMED = {
+    (28672, 8192): {"1": 1.009, "2c": 1.052, "2f": 1.0, "3c": 1.234, "3f": 1.049, "4c": 1.194, "4f": 1.042},
+    (8192, 28672): {"1": 1.268, "2c": 1.0, "2f": 1.028, "3c": 1.335, "3f": 1.113, "4c": 1.331, "4f": 1.032},
+    (8192, 8192): {"1": 1.195, "2c": 1.0, "2f": 1.094, "3c": 1.373, "3f": 1.312, "4c": 1.412, "4f": 1.137},
+    (25600, 5120): {"1": 1.0, "2c": 1.112, "2f": 1.04, "3c": 1.294, "3f": 1.021, "4c": 1.233, "4f": 1.069},
+    (8192, 5376): {"1": 1.147, "2c": 1.0, "2f": 1.059, "3c": 1.331, "3f": 1.282, "4c": 1.509, "4f": 1.221},
+}
+
+
+@pytest.mark.parametrize(("N", "K"), list(PAIRS32_TIMED))
+def test_the_pair_tables_32_token_tile_takes_a_grid_within_1_percent_of_the_fastest_timed(N, K):
+    """At 32 rows on Hopper (2 blocks of the pair-table kernel's 32-token tile an SM, clusters) the
+    waves rule picks the fastest grid timed, or one within 1% (its price does not move these picks)."""
+    g = matmul_kernel.grid_for(32, N, K, 32, hopper.PAIRS32_PER_SM, hopper.SMS, hopper.PAIRS32_CLUSTERS, rule=WAVES)
+    name = f"{g.splits}{'c' if g.clustered else 'f'}" if g.splits > 1 else "1"
+    assert PAIRS32_TIMED[N, K][name] <= 1.01, (name, g)
+    plan = (hopper.PAIRS32_PER_SM, hopper.SMS, hopper.PAIRS32_CLUSTERS)
+    assert matmul_kernel.grid_for(24, N, K, 32, *plan, rule=WAVES) == g
+
+
 @pytest.mark.parametrize(
     ("N", "K", "splits", "clustered"),
     [
@@ -331,9 +362,9 @@ def test_the_16_token_tile_prices_its_finish_at_what_it_cost(N, K, splits, clust
     plan = (hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS)
     g = matmul_kernel.grid_for(16, N, K, 16, *plan, rule=matmul_kernel.WAVES)
     assert (g.splits, g.clustered) == (splits, clustered)
-    flat = matmul_kernel.waves_price(8)
-    assert matmul_kernel.waves_price(16).finish_steps > flat.finish_steps == matmul_kernel.FINISH_STEPS
-    groups, steps = g.blocks[0], matmul_kernel.steps_of(K, 16)
+    flat = matmul_kernel.waves_price(8, WAVES)
+    assert matmul_kernel.waves_price(16, WAVES).finish_steps > flat.finish_steps == matmul_kernel.FINISH_STEPS
+    groups, steps = g.blocks[0], matmul_kernel.steps_of(K, WAVES)
     three = matmul_kernel.waves_grid(groups, 1, steps, 3, *plan, flat)
     if (N, K) == (8192, 8192):  # what the flat finish picked: 3 finished splits cost it less
         assert not three[1].clustered and three[0][0] < matmul_kernel.waves_grid(groups, 1, steps, 2, *plan)[0][0]
@@ -379,7 +410,7 @@ def test_the_64_token_tile_prices_a_shared_sm_and_the_partial_sums(N, K, old, ne
     g = matmul_kernel.grid_for(64, N, K, 64, *plan, rule=WIDE)
     assert (g.splits, g.steps_per_split, g.clustered) == (*new, False)
     assert g.blocks[0] * g.splits <= hopper.SMS < g.blocks[0] * old[0]  # one block an SM, against two
-    groups, steps, price = g.blocks[0], matmul_kernel.steps_of(K, 64), matmul_kernel.waves_price(64)
+    groups, steps, price = g.blocks[0], matmul_kernel.steps_of(K, WIDE), matmul_kernel.waves_price(64, WIDE)
     assert price.shared_sm_step > 0 and price.finish_steps_per_mb == matmul_kernel.FINISH_STEPS_PER_MB
 
     assert _cheapest_waves_grid(groups, steps, plan, price, matmul_kernel.partial_sums_mb(64 * N)) == g
@@ -492,12 +523,15 @@ def test_the_stand_in_hopper_plans_are_what_the_driver_reports_on_a_hopper_gpu(c
         (8, True): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (16, False): (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         (16, True): (hopper.PAIRS16_PER_SM, hopper.PAIRS16_CLUSTERS),
+        (32, True): (hopper.PAIRS32_PER_SM, hopper.PAIRS32_CLUSTERS),  # up to 8 splits: as the stand-in holds
+        (32, False): (hopper.WIDE32_PER_SM, ()),
         (64, True): (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
         (128, True): (hopper.WIDE128_PER_SM, ()),
     }
     for (rows, nested), (per_sm, clusters) in expected.items():
         plan = matmul_kernel.plan(matmul_kernel.variant_for("bf16", "nf4", nested, rows, LARGE), cuda.index)
-        assert (plan.blocks_per_sm, plan.sms, plan.max_clusters) == (per_sm, hopper.SMS, clusters), (rows, nested)
+        live = plan.max_clusters[: len(clusters)] if clusters else plan.max_clusters
+        assert (plan.blocks_per_sm, plan.sms, live) == (per_sm, hopper.SMS, clusters), (rows, nested, plan.max_clusters)
 
 
 @pytest.mark.gpu
@@ -532,9 +566,9 @@ def test_a_plan_made_on_a_thread_without_a_cuda_context_leaves_it_without_one(cu
 
 
 def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
-    """The decode kernels (8 and 16 tokens, plain and nested scales) add up to 16 splits in a cluster
-    from sm_90 on, the Hopper kernel at 64 tokens pairs; the others never (the compile spec tells the
-    kernel, MM_CLUSTER_SPLITS)."""
+    """The decode kernels (8 and 16 tokens, plain and nested scales; the pair-table kernel's 32-token
+    tile too) add up to 16 splits in a cluster from sm_90 on, the Hopper kernel at 64 tokens pairs;
+    the others never (the compile spec tells the kernel, MM_CLUSTER_SPLITS)."""
     from harness.runtime import jit
 
     for nested in (False, True):
@@ -542,7 +576,8 @@ def test_the_kernels_with_the_cluster_epilogue_and_their_cluster_sizes():
             (tokens, arch): matmul_kernel.MatmulVariant("fp16", "fp4", nested, tokens).cluster_splits(arch)
             for tokens, arch in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS)
         }
-        assert {key: n for key, n in sizes.items() if n} == {(8, "sm_90"): 16, (16, "sm_90"): 16, (64, "sm_90"): 2}
+        decode = {(8, "sm_90"): 16, (16, "sm_90"): 16} | ({(32, "sm_90"): 16} if nested else {})
+        assert {key: n for key, n in sizes.items() if n} == decode | {(64, "sm_90"): 2}
 
 
 def test_a_kernel_asked_for_clusters_below_sm_90_does_not_compile():
@@ -631,9 +666,10 @@ def test_the_grid_steps_k_as_each_kernel_source_does():
     from harness.runtime import jit
 
     for tokens, arch, nested in itertools.product(matmul_kernel.TOKEN_TILES, jit.CHECKED_ARCHS, (False, True)):
-        source, _ = matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens).build(arch)
+        variant = matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens)
+        source, _ = variant.build(arch)
         defined = re.search(r"^#define STEP_K (\d+)", (jit.kernels_dir() / source).read_text(), re.MULTILINE)
-        assert defined and int(defined.group(1)) == matmul_kernel.step_k(tokens), source
+        assert defined and int(defined.group(1)) == matmul_kernel.step_k(variant.grid_rule(arch)), source
 
 
 def test_the_kernel_takes_k_in_multiples_of_32_and_blocks_of_32_or_more():
@@ -772,12 +808,12 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     cuda, run_seed, quant_type, dtype, blocksize, nested, N, K, M
 ):
     """A one-hot row gives each feature's weight as the kernel forms it: the dequantization
-    kernel's bits, or round(fp32(scale * round(code))) (the 8- and 16-token kernel of nested weights)."""
+    kernel's bits, or round(fp32(scale * round(code))) (the pair-table kernel: nested weights up to 32 rows)."""
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = poison_(torch.empty(M, N, dtype=dtype, device=cuda))
     matmul.fused_matmul(A, B.t(), qs, out=out)
-    arithmetic = mr.arithmetic_of(M, nested, N * K)
+    arithmetic = mr.arithmetic_of(M, nested)
     expected = mr.one_hot_weights(arithmetic, B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(out, expected, f"one-hot {arithmetic} {quant_type} {dtype} bs{blocksize} nested={nested} M={M}")
 
@@ -787,23 +823,39 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     ("quant_type", "dtype", "blocksize"), [("nf4", torch.bfloat16, 64), ("fp4", torch.float16, 256)], ids=str
 )
 @pytest.mark.parametrize("M", [17, 32])
-def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_wide_tile(
-    cuda, run_seed, quant_type, dtype, blocksize, M
+def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_pair_tables_32_token_tile(
+    cuda, bnb, run_seed, quant_type, dtype, blocksize, M
 ):
     """The other side of ``matmul_kernel.tile_for``'s line (the small weights' side is the one-hot
-    test above): one-hot rows give the dequantization kernel's bits, random rows stay in the bound."""
+    test above): the pair-table kernel's 32-token tile, whose one-hot rows give the scaled sums'
+    weights (the 16-token tile's arithmetic), random rows in the bound and no farther from the fp64
+    reference than bitsandbytes' own result (up to 1%), and whose output on any grid
+    is two 16-token tiles' bit for bit on the same grid (the same fp32 sums, token for token)."""
+    import bitsandbytes
+
     K = 4096 + 96
     N = features_past_two_tiles(K)
-    assert matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, True, M, N * K).tokens == 32
+    variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, True, M, N * K)
+    assert variant.tokens == 32 and variant.build(launcher.device_arch(cuda.index))[0] == matmul_kernel.SOURCE_M8_PAIRS
     B, qs, W = _weights(N, K, quant_type, blocksize, True, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     out = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
-    assert mr.arithmetic_of(M, True, N * K) == "dequantized"
-    expected = mr.one_hot_weights("dequantized", B, qs, W)[:, columns].t().contiguous()
+    assert mr.arithmetic_of(M, True) == "scaled-sums"
+    expected = mr.one_hot_weights("scaled-sums", B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(out, expected, f"one-hot {quant_type} {dtype} M={M}, {N}x{K}")
     R = torch.randn(M, K, generator=cases.seeded_generator(run_seed + M, cuda), device=cuda).to(dtype)
-    judged = mr.judge(matmul.fused_matmul(R, B.t(), qs), mr.fused_reference(R, B, qs, W, None, dtype))
-    assert judged.ok, judged
+    reference = mr.fused_reference(R, B, qs, W, None, dtype)
+    judged = mr.judge(matmul.fused_matmul(R, B.t(), qs), reference)
+    theirs = mr.judge(bitsandbytes.matmul_4bit(R, B.t(), qs), reference)
+    assert judged.ok and judged.error_norm <= 1.01 * theirs.error_norm + 1e-6, (judged, theirs)
+    steps = matmul_kernel.steps_of(K, matmul_kernel.WAVES)
+    groups = -(-N // matmul_kernel.features_per_block(32))
+    clusters = variant.cluster_splits(launcher.device_arch(cuda.index)) > 0
+    for splits, clustered in ((1, False), (2, clusters), (3, False), (5, clusters)):
+        per_split = -(-steps // splits)
+        grids = {t: matmul_kernel.Grid((groups, splits, -(-M // t)), per_split, clustered) for t in (16, 32)}
+        got = {t: matmul.fused_matmul_on_grid(R, B.t(), qs, grids[t], tokens=t) for t in (16, 32)}
+        assert_bit_exact(got[32], got[16], f"32-token tile against two 16-token tiles, {splits} splits, M={M}")
 
 
 # Columns where a one-row call's lanes, blocks and steps meet: both 32-k halves of a block, a 256-k
@@ -830,7 +882,7 @@ def test_one_row_calls_give_the_emulated_bits_at_every_block_and_step_boundary(
         moved = torch.empty(qs.absmax.numel() + code_shift, dtype=qs.absmax.dtype, device=cuda)[code_shift:]
         qs.absmax = moved.copy_(qs.absmax)
         assert qs.absmax.data_ptr() % 2 == 1
-    expected = mr.one_hot_weights(mr.arithmetic_of(1, True, N * K), B, qs, W)
+    expected = mr.one_hot_weights(mr.arithmetic_of(1, True), B, qs, W)
     g = torch.Generator().manual_seed(run_seed)
     columns = [c for c in _ONE_ROW_COLUMNS if c < K] + torch.randint(0, K, (16,), generator=g).tolist()
     for c in columns:
@@ -873,7 +925,7 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     with host_path.python_path_only():
         one_hot = matmul.fused_matmul(A, B.t(), qs, out=poison_(torch.empty(M, N, dtype=dtype, device=cuda)))
         random_rows = matmul.fused_matmul(R, B.t(), qs)
-    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested, N * K), B, qs, W)[:, columns].t().contiguous()
+    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested), B, qs, W)[:, columns].t().contiguous()
     assert_bit_exact(one_hot, expected, f"one-hot, matmul_4bit.cu {quant_type} {dtype} bs{blocksize} M={M}")
     judged = mr.judge(random_rows, mr.fused_reference(R, B, qs, W, None, dtype))
     assert judged.ok, judged
@@ -901,7 +953,7 @@ def test_every_build_of_the_128_token_tile_gives_the_one_hot_bits(
     B, qs, W = _weights(N, K, quant_type, 64, nested, dtype, run_seed, cuda)
     A, columns = mr.one_hot_rows(M, K, dtype, cuda, run_seed)
     R = torch.randn(M, K, generator=cases.seeded_generator(run_seed + M, cuda), device=cuda).to(dtype)
-    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested, N * K), B, qs, W)[:, columns].t().contiguous()
+    expected = mr.one_hot_weights(mr.arithmetic_of(M, nested), B, qs, W)[:, columns].t().contiguous()
     reference = mr.fused_reference(R, B, qs, W, None, dtype)
     for build in builds:
         forced, picked = matmul_kernel.plan(build, cuda.index), []
@@ -992,6 +1044,9 @@ def test_split_k_gives_the_same_bits_on_every_run(cuda, run_seed, M):
         (16, 8192, torch.bfloat16, False, True, True),
         (6, 4096, torch.bfloat16, True, False, True),  # the plain scales' kernel
         (16, 4096, torch.float16, True, False, True),
+        # The pair-table kernel's 32-token tile (a weight past TWO_TILE_ELEMENTS: 330 x 40960), 8 rows past M
+        (24, 40960, torch.bfloat16, True, True, False),
+        (32, 40960, torch.float16, False, True, True),
     ],
 )
 def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(
@@ -1011,15 +1066,15 @@ def test_a_cluster_adds_the_splits_to_the_finish_kernels_bits(
     assert len(plan.max_clusters) == (sizes + 1 if sizes else 0)
     # The driver took the 8-token kernel's leave to run clusters past the portable size.
     assert not sizes or plan.max_clusters[sizes] > 0, plan.max_clusters
-    wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", True, 32), cuda.index)
+    wide = matmul_kernel.plan(matmul_kernel.MatmulVariant(variant.dtype, "nf4", False, 32), cuda.index)
     assert wide.max_clusters == () and not wide.grid(32, N, K, 32).clustered
     grid = plan.grid(M, N, K, tokens)
     assert grid.splits > 1, "the case must split K"
     if not sizes:
         assert grid.finished, "a split K without the cluster epilogue is the finish's"
         return
-    if pair or tokens not in matmul_kernel.DECODE_TILES:  # (the wide tile's grid is 5 finished splits)
-        steps = matmul_kernel.steps_of(K, tokens)
+    if pair or plan.rule == WIDE:  # (the wide tile's grid is 5 finished splits)
+        steps = matmul_kernel.steps_of(K, plan.rule)
         grid = matmul_kernel.Grid((grid.blocks[0], 2, grid.blocks[2]), steps // 2, True)
         monkeypatch.setattr(matmul_kernel.Plan, "grid", lambda self, *args: grid)
     assert grid.clustered, "the case's splits must run as clusters"

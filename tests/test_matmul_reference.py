@@ -187,14 +187,13 @@ def test_the_judge_and_the_runtime_agree_on_each_calls_arithmetic():
     runtime cannot pick its own oracle; the runtime's kernel choice must agree with it."""
     from harness.runtime import matmul_kernel
 
-    line, large = mr.SCALED_SUMS_ELEMENTS, 28672 * 8192
+    line, large = matmul_kernel.TWO_TILE_ELEMENTS, 28672 * 8192
     for rows, nested, elements in itertools.product(range(1, 300), (True, False), (1, line, line + 1, large)):
-        assert matmul_kernel.arithmetic(rows, nested, elements) == mr.arithmetic_of(rows, nested, elements), (
+        assert matmul_kernel.arithmetic(rows, nested, elements) == mr.arithmetic_of(rows, nested), (
             rows, nested, elements,
         )  # fmt: skip
-    assert [mr.arithmetic_of(m, True, large) for m in (1, 8, 9, 16, 17)] == [*["scaled-sums"] * 4, "dequantized"]
-    assert [mr.arithmetic_of(m, True, line) for m in (16, 17, 32, 33)] == [*["scaled-sums"] * 3, "dequantized"]
-    assert mr.arithmetic_of(1, False, line) == mr.arithmetic_of(17, False, line) == "dequantized"
+    assert [mr.arithmetic_of(m, True) for m in (1, 8, 9, 16, 17, 32, 33)] == [*["scaled-sums"] * 6, "dequantized"]
+    assert mr.arithmetic_of(1, False) == mr.arithmetic_of(17, False) == "dequantized"
 
 
 def test_the_judge_and_the_runtime_agree_on_each_token_tiles_arithmetic():
@@ -208,5 +207,5 @@ def test_the_judge_and_the_runtime_agree_on_each_token_tiles_arithmetic():
         for arch in ("sm_80", "sm_90"):
             source = mk.MatmulVariant("bf16", "nf4", nested, tokens).build(arch)[0]
             assert mk.ARITHMETIC.get(source, "dequantized") == mr.arithmetic_of_tile(tokens, nested), (arch, tokens)
-    assert [mr.arithmetic_of_tile(t, True) for t in (8, 16, 32)] == ["scaled-sums", "scaled-sums", "dequantized"]
+    assert [mr.arithmetic_of_tile(t, True) for t in (8, 16, 32, 64)] == [*["scaled-sums"] * 3, "dequantized"]
     assert mr.arithmetic_of_tile(16, False) == "dequantized"

@@ -12,7 +12,16 @@ from harness.correctness import op_checks, sanitize
 from harness.runtime import matmul_kernel, ops
 from tests import hopper_plans as hopper
 
-RULES = (matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES)
+RULES = (matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES)  # the plain and nested decode kernels'
+
+
+def tile_and_rule(M: int, N: int, K: int, rule: str) -> tuple[int, str]:
+    """The token tile of a call of the kernel family whose decode tiles follow ``rule`` (nested
+    scales: WAVES), and the rule that tile's grid follows (a wide tile's: WAVES_WIDE)."""
+    nested = rule == matmul_kernel.WAVES
+    tokens = matmul_kernel.tile_for(M, nested, N * K)
+    return tokens, matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens).grid_rule("sm_90")
+
 
 REPORT = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "not found" on CUDA API call to cuGetProcAddress.
@@ -100,10 +109,10 @@ def test_the_matmul_cases_run_both_kernels_split_and_unsplit_with_partial_steps(
     GPU that holds three blocks."""
     seen = set()
     for (M, N, K), rule in itertools.product(op_checks.matmul.SANITIZE_SHAPES, RULES):
-        tokens = matmul_kernel.tile_for(M, rule == matmul_kernel.WAVES, N * K)  # the pair-table kernel's: nested
-        grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms, rule=rule)
-        partial_step = K % matmul_kernel.step_k(tokens) != 0
-        m8 = tokens in matmul_kernel.DECODE_TILES  # else a wide tile (matmul_4bit.cu, or matmul_4bit_sm90.cu on Hopper)
+        tokens, tile_rule = tile_and_rule(M, N, K, rule)
+        grid = matmul_kernel.grid_for(M, N, K, tokens, blocks_per_sm, sms, rule=tile_rule)
+        partial_step = K % matmul_kernel.step_k(tile_rule) != 0
+        m8 = tile_rule != matmul_kernel.WAVES_WIDE  # else a wide tile (matmul_4bit.cu, matmul_4bit_sm90.cu on Hopper)
         seen.add(("m8" if m8 else "wide", grid.splits > 1, partial_step))
         if m8:
             seen.add(("one table per 64 k" if K % 64 == 0 else "a table per 32-k half", partial_step))
@@ -120,20 +129,24 @@ def test_on_a_gpu_with_clusters_the_matmul_cases_run_the_cluster_and_the_finish(
     plans = {
         8: (hopper.M8_PER_SM, hopper.M8_CLUSTERS),
         64: (hopper.WIDE64_PER_SM, hopper.WIDE64_CLUSTERS),
+        (32, matmul_kernel.WAVES): (hopper.PAIRS32_PER_SM, hopper.PAIRS32_CLUSTERS),  # nested: the pair-table kernel's
+        (32, matmul_kernel.WAVES_WIDE): (hopper.WIDE32_PER_SM, ()),
         128: (hopper.WIDE128_PER_SM, ()),
     }
     for rule in RULES:  # the pair-table (nested) and register-table (plain) 8-token kernels' rules
         ways = set()
         for M, N, K in op_checks.matmul.SANITIZE_SHAPES:
-            tokens = matmul_kernel.tile_for(M, rule == matmul_kernel.WAVES, N * K)
-            per_sm, clusters = plans.get(tokens, (4, ()))
-            grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters, rule=rule)
+            tokens, tile_rule = tile_and_rule(M, N, K, rule)
+            per_sm, clusters = plans.get((tokens, tile_rule), plans.get(tokens, (4, ())))
+            grid = matmul_kernel.grid_for(M, N, K, tokens, per_sm, hopper.SMS, clusters, rule=tile_rule)
             ways.add((tokens, "cluster" if grid.clustered else "finish" if grid.finished else "unsplit"))
             if grid.clustered and grid.splits > matmul_kernel.PORTABLE_CLUSTER_BLOCKS:
                 ways.add((tokens, "cluster past the portable size"))
             if grid.clustered and grid.splits % 2:
                 ways.add((tokens, "cluster of an odd size"))
-        assert {(8, "cluster"), (64, "cluster"), (32, "finish"), (8, "unsplit"), (64, "unsplit")} <= ways, rule
+        assert {(8, "cluster"), (64, "cluster"), (8, "unsplit"), (64, "unsplit")} <= ways, rule
+        # The 32-token tile: the wide kernel's (plain) split by the finish, the pair-table kernel's unsplit.
+        assert (32, "unsplit" if rule == matmul_kernel.WAVES else "finish") in ways, rule
         assert {(128, "finish"), (128, "unsplit")} <= ways, rule
         assert {(8, "cluster past the portable size"), (8, "cluster of an odd size")} <= ways, rule
     # The 128-token tile's calls in both of its Hopper builds (matmul_kernel.pick_plan).

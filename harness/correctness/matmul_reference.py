@@ -192,10 +192,10 @@ def reference_weights(
 
 # The judge's own statement of which arithmetic a fused call runs, not read from the runtime it
 # judges (a candidate's kernels are imported from its tree): nested weights at up to this many rows
-# take scaled sums, and at up to twice as many where the weight holds at most SCALED_SUMS_ELEMENTS.
-# tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic`` to it, so a change
-# of arithmetic lands in the judge first.
-SCALED_SUMS_ROWS, SCALED_SUMS_ELEMENTS = 16, 12 << 20
+# take scaled sums, whatever their size (the pair-table kernel's tiles of 8, 16 and 32 tokens, or two
+# of its 16-token tiles). tests/test_matmul_reference.py holds the runtime's ``matmul_kernel.arithmetic``
+# to it, so a change of arithmetic lands in the judge first.
+SCALED_SUMS_ROWS = 32
 
 
 def arithmetic_of_tile(tokens: int, nested: bool) -> str:
@@ -205,12 +205,10 @@ def arithmetic_of_tile(tokens: int, nested: bool) -> str:
     return "scaled-sums" if nested and tokens <= SCALED_SUMS_ROWS else "dequantized"
 
 
-def arithmetic_of(rows: int, nested: bool, elements: int) -> str:
-    """The arithmetic of the fused kernel that multiplies ``rows`` tokens of a weight of ``elements``
-    (N * K): a decode tile's up to SCALED_SUMS_ROWS rows, and up to twice as many (two tiles) of a
-    small weight; else a tile of the call's rows."""
-    decode = rows <= SCALED_SUMS_ROWS * (2 if elements <= SCALED_SUMS_ELEMENTS else 1)
-    return arithmetic_of_tile(SCALED_SUMS_ROWS if decode else rows, nested)
+def arithmetic_of(rows: int, nested: bool) -> str:
+    """The arithmetic of the fused kernel that multiplies ``rows`` tokens: a decode tile's up to
+    SCALED_SUMS_ROWS rows (one tile, or two of 16 tokens), else a tile of the call's rows."""
+    return arithmetic_of_tile(rows, nested)
 
 
 def fused_reference(
@@ -228,7 +226,7 @@ def fused_references(
     """``fused_reference`` of each of ``As``, activations of one shape and dtype: the reference
     weights formed once."""
     rows = As[0].numel() // As[0].shape[-1] if As[0].shape[-1] else 0
-    arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None, dequantized.numel())
+    arithmetic = arithmetic_of(max(rows, 1), quant_state.state2 is not None)
     weights, weight_error = reference_weights(arithmetic, packed, quant_state, dequantized, As[0].dtype)
     return [reference(A, weights, bias, out_dtype, weight_error) for A in As]
 

@@ -27,19 +27,26 @@ from harness.runtime.operands import ANY, LIKE_A, Count, Operand
 # keep per-block register tables of the dequantized weights (SOURCE_M8). With more tokens, the
 # shared-memory code table, whose few registers keep more warps in flight. kernels/NOTES.md.
 SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_pairs.cu", "matmul_4bit.cu"
-# The token tiles SOURCE_M8 and SOURCE_M8_PAIRS run (the wider ones run SOURCE_WIDE). At 16 tokens the
-# pair-table kernel took the gate weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192
-# from 36 to 30 (H100; at 32 tokens it was slower than the wide kernel: kernels/NOTES.md).
+# The token tiles SOURCE_M8 runs (plain scales) and SOURCE_M8_PAIRS runs (nested; the wider ones, and
+# every wider one of plain scales, run SOURCE_WIDE). At 16 tokens the pair-table kernel took the gate
+# weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192 from 36 to 30 (H100). Its 32-token
+# tile (2 blocks an SM) was slower than the wide kernel's on an H100 in its first form; the kernel
+# of today, side by side on an H200 with the wgmma kernel's 32-token tile at 24 and 32 rows, took
+# 0.80-0.94x its time on five weights of 44-235 M elements (gate 28672x8192 at 32 rows 109.7 ->
+# 98.9 µs; kernels/NOTES.md, "The pair-table kernel's 32-token tile at two blocks an SM").
 DECODE_TILES = (8, 16)
+PAIR_TILES = (8, 16, 32)
 # At 17-32 rows a weight with nested scales of at most this many elements (N * K) runs as two of the
-# pair-table kernel's 16-token tiles, each decoding the weights again, instead of one 32-token tile of
-# the wide kernel: there a launch is mostly its fixed cost, which the pair-table kernel's grids keep
-# lower. Side by side on an H200 (GPU-474ea7c0, 17 and 32 rows, each tile's rule grid): the six
-# nested weights of up to 11.0 M elements took 0.66-0.98x the wide tile's time (qwen2.5-7b k
+# pair-table kernel's 16-token tiles, each decoding the weights again, instead of one 32-token tile:
+# there a launch is mostly its fixed cost, which the 16-token tile's grids keep lower. Against the
+# wide kernel's 32-token tile, side by side on an H200 (GPU-474ea7c0, 17 and 32 rows, each tile's rule
+# grid): the six nested weights of up to 11.0 M elements took 0.66-0.98x the wide tile's time (qwen2.5-7b k
 # 512x3584 11.6 -> 8.1 µs); 12.8-22 M elements 0.91-1.10x; 25-42 M 1.02-1.19x. On an H100 the five
 # k weights and phi-3-mini o took 0.72-0.90x at 32 rows. Plain scales keep the wide tile (their
 # register-table kernel lost 6% on phi-3-mini o 3072x3072; kernels/NOTES.md, "17-32 rows of a small
-# weight as two 16-token tiles").
+# weight as two 16-token tiles"). Against the pair-table kernel's own 32-token tile, which nested
+# weights above it now run, the k weight 1024x8192 took 0.95x at 24 and 32 rows (H200); the weights
+# of 12-44 M elements were not timed against it.
 TWO_TILE_ELEMENTS = 12 << 20
 # The register-table kernel's (SOURCE_M8: GRID_RULES) grid follows its busiest SM (grid_for) where
 # an SM holds at least this many of its blocks (16 warps), which keep the SM's integer pipe busy;
@@ -62,8 +69,12 @@ WAVE_STEPS, FINISH_STEPS = 4, 2
 # rule picked grids 1.101x the fastest (geometric mean; worst 1.40), the waves rule with the pair
 # 1.045x (1.25); on the two earlier sweeps of that kernel with 8-byte loads, 1.067 -> 1.031 (H100)
 # and 1.077 -> 1.043 (H200) (kernels/NOTES.md, "The grid rules after the 16-byte loads").
-BUSIEST_SM, WAVES = "busiest-sm", "waves"
-GRID_RULES = {SOURCE_M8: BUSIEST_SM}
+# The wide tiles' waves rule (WAVES_WIDE) differs from the decode kernels' in its steps (STEP_K_WIDE),
+# its splits' floor (MIN_SPLIT_STEPS_WIDE), its prices (WAVES_PRICES) and its partial sums
+# (PARTIAL_FLOOR_BYTES): the rule names the kernel family, since a token count alone does not (32
+# tokens: the pair-table kernel's tile for nested scales, the wide kernels' for plain ones).
+BUSIEST_SM, WAVES, WAVES_WIDE = "busiest-sm", "waves", "waves-wide"
+GRID_RULES = {SOURCE_M8: BUSIEST_SM, SOURCE_WIDE: WAVES_WIDE}
 
 
 def grid_rule_of(source: str) -> str:
@@ -75,6 +86,7 @@ def grid_rule_of(source: str) -> str:
 # activations from shared memory itself: built for the arch-specific target that has it. Same
 # steps, warps and grid rules as SOURCE_WIDE; its 128-token tile also builds with WIDE_WARPS.
 SOURCE_SM90 = "matmul_4bit_sm90.cu"
+GRID_RULES[SOURCE_SM90] = WAVES_WIDE
 WGMMA_TARGETS = {"sm_90": "sm_90a"}  # GPU arch -> the compile target of SOURCE_SM90
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
@@ -112,7 +124,7 @@ class WavesPrice:
     shared_sm_step: float = 0.0
 
 
-# By token tile (every other tile: WavesPrice()). At 16 tokens the finish priced from that tile's
+# By rule and token tile (every other: WavesPrice()). At 16 tokens the finish priced from that tile's
 # sweeps at 16 rows (8192x8192: 2 finished splits against 2 clustered, a split's step from 2 against
 # 3 finished): 6.2 steps on an H100, 6.7 on an H200. At 2 the rule gave that weight 3 finished
 # splits: side by side 8.6% slower than the clustered pair (H200; 7.5% on an H100) and, with the
@@ -130,10 +142,15 @@ class WavesPrice:
 # MB of sums pick 5 there, keep the gate weight's 4 and leave the sweep's replay as it was (1.0254
 # against 1.0257 over its 32-row cases; 1.0255 against 1.0261 on the sweep re-recorded with its
 # confirmation stage; kernels/NOTES.md, "The 32-token tile's price: a tie the sweep could not see").
+# The pair-table kernel's 32-token tile takes its 16-token tile's price: on the five weights of 44-235
+# M elements its grids were timed on at 24 and 32 rows (H200), the waves rule picks the fastest of
+# them or one within 1%, under this price or the wide tiles' alike (kernels/NOTES.md, "The pair-table
+# kernel's 32-token tile at two blocks an SM"); no sweep has timed it on other weights yet.
 WAVES_PRICES = {
-    16: WavesPrice(finish_steps=6),
-    32: WavesPrice(0, 0.5, 0.6),
-    64: WavesPrice(0, FINISH_STEPS_PER_MB, 0.8),
+    (WAVES, 16): WavesPrice(finish_steps=6),
+    (WAVES, 32): WavesPrice(finish_steps=6),
+    (WAVES_WIDE, 32): WavesPrice(0, 0.5, 0.6),
+    (WAVES_WIDE, 64): WavesPrice(0, FINISH_STEPS_PER_MB, 0.8),
 }
 
 
@@ -142,9 +159,9 @@ def partial_sums_mb(elements: int) -> float:
     return 4 * elements / 1e6
 
 
-def waves_price(tokens: int) -> WavesPrice:
-    """What the waves rule charges this token tile's grids (``WAVES_PRICES``)."""
-    return WAVES_PRICES.get(tokens, WavesPrice())
+def waves_price(tokens: int, rule: str) -> WavesPrice:
+    """What the waves rule charges this token tile's grids under ``rule`` (``WAVES_PRICES``)."""
+    return WAVES_PRICES.get((rule, tokens), WavesPrice())
 
 
 # How each kernel forms a weight's share of a sum (harness/correctness/matmul_reference.py holds each
@@ -257,7 +274,7 @@ class MatmulVariant:
 
     def build(self, arch: str) -> tuple[str, str]:
         """(kernel source, compile target) of this variant on a GPU of ``arch`` (``sm_XY``)."""
-        if self.tokens in DECODE_TILES:
+        if self.tokens in (PAIR_TILES if self.nested else DECODE_TILES):
             return (SOURCE_M8_PAIRS if self.nested else SOURCE_M8), arch
         if arch in WGMMA_TARGETS:
             return SOURCE_SM90, WGMMA_TARGETS[arch]
@@ -354,14 +371,14 @@ def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
     return launcher.source_spec(source, target, variant.macros(arch), variant.name)
 
 
-def step_k(tokens: int) -> int:
-    """k one warp covers per step with this token tile."""
-    return STEP_K_M8 if tokens in DECODE_TILES else STEP_K_WIDE
+def step_k(rule: str) -> int:
+    """k one warp covers per step in a kernel whose grids follow ``rule`` (``grid_rule_of``)."""
+    return STEP_K_WIDE if rule == WAVES_WIDE else STEP_K_M8
 
 
-def steps_of(K: int, tokens: int) -> int:
-    """Steps of ``step_k(tokens)`` k a grid covers for K."""
-    return -(-K // step_k(tokens))
+def steps_of(K: int, rule: str) -> int:
+    """Steps of ``step_k(rule)`` k a grid covers for K."""
+    return -(-K // step_k(rule))
 
 
 def block_warps(tokens: int, warps: int = 0) -> int:
@@ -386,8 +403,8 @@ def token_tile(m: int) -> int:
 
 def tile_choices(m: int, nested: bool) -> tuple[int, ...]:
     """The token tiles a call of ``m`` rows may run, whatever the weight's size (``tile_for`` picks by
-    it): for 17-32 rows of a weight with nested scales two of the decode kernel's largest or the
-    smallest tile holding them; else only that one (``token_tile``)."""
+    it): for 17-32 rows of a weight with nested scales two of the pair-table kernel's 16-token
+    tiles or the smallest tile holding them (its 32-token tile); else only that one (``token_tile``)."""
     largest = DECODE_TILES[-1]
     if nested and largest < m <= 2 * largest:
         return largest, token_tile(m)
@@ -474,11 +491,15 @@ MAX_SPLITS = 16
 # µs), kernels/NOTES.md.
 CLUSTER_ARCH = 90  # the first GPU arch with thread block clusters
 # The kernels compiled with the cluster epilogue, by (source, token tile): the most splits a cluster
-# adds. The decode kernels (DECODE_TILES) up to MAX_SPLITS (past PORTABLE_CLUSTER_BLOCKS the kernel
+# adds. The decode kernels (DECODE_TILES, PAIR_TILES) up to MAX_SPLITS (past PORTABLE_CLUSTER_BLOCKS the kernel
 # needs the driver's leave, `launcher.allow_nonportable_clusters`); the Hopper kernel at 64 tokens in
 # pairs (the only size measured there). Compiled into the wide 16- and 32-token kernels the epilogue
 # made their main loops up to 6% slower; into the 64-token one, no slower (kernels/NOTES.md).
-CLUSTER_SPLITS = {**{(s, t): 16 for s in (SOURCE_M8, SOURCE_M8_PAIRS) for t in DECODE_TILES}, (SOURCE_SM90, 64): 2}
+CLUSTER_SPLITS = {
+    **{(SOURCE_M8, t): 16 for t in DECODE_TILES},
+    **{(SOURCE_M8_PAIRS, t): 16 for t in PAIR_TILES},
+    (SOURCE_SM90, 64): 2,
+}
 PORTABLE_CLUSTER_BLOCKS = 8  # the most blocks a cluster has on every GPU with clusters
 # Clusters of more than 2 splits pay in grids of at most a block an SM; and of at most this many
 # blocks an SM with splits of at most this many steps. First fit to grids against the finish at one
@@ -528,9 +549,9 @@ FILL = 0.9
 CLUSTER_PAIR_STEPS = 16
 
 
-def min_split_steps(tokens: int) -> int:
-    """The fewest steps a split of K runs (the last may run fewer) with this token tile."""
-    return MIN_SPLIT_STEPS_M8 if tokens in DECODE_TILES else MIN_SPLIT_STEPS_WIDE.get(tokens, MIN_SPLIT_STEPS)
+def min_split_steps(tokens: int, rule: str) -> int:
+    """The fewest steps a split of K runs (the last may run fewer) with this token tile under ``rule``."""
+    return MIN_SPLIT_STEPS_WIDE.get(tokens, MIN_SPLIT_STEPS) if rule == WAVES_WIDE else MIN_SPLIT_STEPS_M8
 
 
 def busiest_sm_steps(blocks: int, steps_per_split: int, sms: int) -> int:
@@ -557,7 +578,7 @@ def grid_for(
     most ``MAX_SPLITS``; and whether the splits run as clusters (``clusters_fit``, with
     ``max_clusters[s]`` clusters of s splits the GPU holds at once, empty where it has none).
 
-    The decode kernels (``DECODE_TILES``) whose ``rule`` is ``BUSIEST_SM``, at ``BUSIEST_SM_BLOCKS``
+    The decode kernels (``DECODE_TILES``, ``PAIR_TILES``) whose ``rule`` is ``BUSIEST_SM``, at ``BUSIEST_SM_BLOCKS``
     blocks an SM, keep every SM's integer pipe busy, so a launch lasts as long as its busiest SM: K
     is split from the fewest parts that fill ``FILL`` of the blocks the GPU holds at once
     (``blocks_per_sm`` on each of ``sms`` SMs) up to twice that, choosing the split whose busiest SM
@@ -574,15 +595,16 @@ def grid_for(
     runs no more steps and a split at most ``CLUSTER_PAIR_STEPS`` (the waves rule alone left the
     gate weight 28672x8192 unsplit: 59.7 µs at one row against the pair's 54.7, H100).
 
-    The wider tiles (``WAVES_WIDE_TILES``) take the waves rule's grid too, their partial sums
-    allowed ``PARTIAL_FLOOR_BYTES``; under that rule each tile's grids are priced by
-    ``WAVES_PRICES``. The pair above is the decode kernels' only: the 32-token tile holds
+    The wide kernels' tiles (rule ``WAVES_WIDE``) take the waves rule's grid too, their partial sums
+    allowed ``PARTIAL_FLOOR_BYTES``; under either waves rule each tile's grids are priced by
+    ``WAVES_PRICES``. The pair above is the decode kernels' only: the wide 32-token tile holds
     ``BUSIEST_SM_BLOCKS`` or more blocks an SM but no clusters, and a finished pair there gave
     4096x4096 at 32 rows 1.35x the fastest grid's time (H200 sweep).
     ``warps``: the build's warps a block (0: the tile's WARPS)."""
-    groups, tiles, steps = -(-N // features_per_block(tokens, warps)), -(-M // tokens), steps_of(K, tokens)
-    partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if tokens in WAVES_WIDE_TILES else 0)
-    cap = max(1, min(steps // min_split_steps(tokens), MAX_SPLITS, int(partial_bytes // (4 * M * N))))
+    wide = rule == WAVES_WIDE
+    groups, tiles, steps = -(-N // features_per_block(tokens, warps)), -(-M // tokens), steps_of(K, rule)
+    partial_bytes = max(PARTIAL_SHARE * (N * K / 2), PARTIAL_FLOOR_BYTES if wide else 0)
+    cap = max(1, min(steps // min_split_steps(tokens, rule), MAX_SPLITS, int(partial_bytes // (4 * M * N))))
     units = groups * tiles
 
     def shape(splits: int) -> tuple[int, int]:  # (splits without an empty one, steps per split)
@@ -602,13 +624,21 @@ def grid_for(
     def pair_no_slower(n: int) -> bool:
         return pair_n == 2 and pair_steps <= CLUSTER_PAIR_STEPS and cost(2)[0] <= cost(n)[0]
 
-    if tokens in WAVES_WIDE_TILES or (tokens in DECODE_TILES and (rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS)):
+    if wide or rule == WAVES or blocks_per_sm < BUSIEST_SM_BLOCKS:
         # Past the cap, only grids whose splits a cluster adds (no partial sums), down to
         # WAVES_CLUSTER_STEPS steps, and at most CLUSTER_PAST_CAP_BLOCKS_PER_SM blocks an SM.
-        most = max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS)) if tokens in DECODE_TILES else cap
+        most = cap if wide else max(cap, min(steps // WAVES_CLUSTER_STEPS, MAX_SPLITS))
         options = (
             waves_grid(
-                groups, tiles, steps, s, blocks_per_sm, sms, max_clusters, waves_price(tokens), partial_sums_mb(M * N)
+                groups,
+                tiles,
+                steps,
+                s,
+                blocks_per_sm,
+                sms,
+                max_clusters,
+                waves_price(tokens, rule),
+                partial_sums_mb(M * N),
             )
             for s in range(1, most + 1)
         )
@@ -623,7 +653,7 @@ def grid_for(
         replaceable = not grid.clustered or not clusters_fit(
             units, n, grid.steps_per_split, blocks_per_sm, sms, max_clusters
         )
-        decode_pair = tokens in DECODE_TILES and blocks_per_sm >= BUSIEST_SM_BLOCKS
+        decode_pair = not wide and blocks_per_sm >= BUSIEST_SM_BLOCKS
         pair_pays = decode_pair and n != 2 and replaceable and pair_no_slower(n)
         return Grid((groups, 2, tiles), pair_steps, pair_fits) if pair_pays else grid
     fill = next((s for s in range(1, cap + 1) if units * s >= FILL * blocks_per_sm * sms), cap)
@@ -719,7 +749,7 @@ class Plan:
         the finish's read of the partial sums (``FINISH_STEPS_PER_MB``)."""
         grid = self.grid(M, N, K, tokens)
         # No split_mb: the waves price leaves out the partial sums' read, priced once below.
-        steps = waves_cost(grid, self.blocks_per_sm, self.sms, waves_price(tokens))
+        steps = waves_cost(grid, self.blocks_per_sm, self.sms, waves_price(tokens, self.rule))
         steps *= STEP_TIME.get((tokens, self.warps), 1.0)
         return steps + FINISH_STEPS_PER_MB * partial_sums_mb(grid.workspace_elements(M, N))
 
@@ -728,7 +758,7 @@ class Plan:
         for every feature group and token tile, every step of K in one split and no split empty,
         and clusters only of the sizes its epilogue adds and this GPU holds."""
         groups, splits, tiles = grid.blocks
-        per_split, steps = grid.steps_per_split, steps_of(K, tokens)
+        per_split, steps = grid.steps_per_split, steps_of(K, self.rule)
         return (
             groups == -(-N // features_per_block(tokens, self.warps))
             and tiles == -(-M // tokens)

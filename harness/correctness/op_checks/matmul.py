@@ -85,9 +85,9 @@ class MatmulCase(PerfCase):
 
 
 # Rows of the timed calls: one for each build the drop-in picks (matmul_kernel.variant_for: with
-# nested scales the few-rows build at 1, the decode kernel's one and two token tiles at 8 and 16,
-# the wide tiles at 32, 64 and 128, where the k weight at 32 takes two 16-token tiles:
-# matmul_kernel.tile_for) and, with nested scales, dequantize + F.linear past the
+# nested scales the few-rows build at 1, the pair-table kernel's tiles of 8, 16 and 32 tokens at 8,
+# 16 and 32, where the k weight at 32 takes two 16-token tiles (matmul_kernel.tile_for), the wide
+# tiles at 64 and 128) and, with nested scales, dequantize + F.linear past the
 # crossover at 256. Plain fp32 scales (transformers' default, no double quantization) run other
 # kernels: the register tables up to 16 rows, their own wide builds above.
 PERF_TOKENS = (1, 8, 16, 32, 64, 128, 256)
@@ -121,7 +121,7 @@ def perf_cases() -> list[MatmulCase]:
 SANITIZE_SHAPES = (
     (3, 40, 1856), (3, 40, 224), (5, 40, 16384), (5, 40, 5376), (9, 40, 1024), (20, 40, 1024), (40, 40, 1024),
     (60, 40, 128), (100, 40, 1024), (130, 40, 256), (100, 21504, 256),
-    (20, 12352, 1024),  # past matmul_kernel.TWO_TILE_ELEMENTS: the wide 32-token tile of a nested weight
+    (20, 12352, 1024),  # past matmul_kernel.TWO_TILE_ELEMENTS: the pair-table kernel's 32-token tile (nested)
 )  # fmt: skip
 
 
