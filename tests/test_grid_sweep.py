@@ -23,11 +23,12 @@ from tests import hopper_plans as hopper
 # without clusters; the kernels themselves are never loaded.
 H100_M8 = mk.Plan(None, None, 128, 4, 132, (0, 0, 64, 40, 32, 24, 20, 16, 16, 8, 8, 8, 8, 8, 8, 8, 8), mk.WAVES)
 NO_CLUSTERS = mk.Plan(None, None, 128, 4, 108, (), mk.WAVES)
+WIDE64 = mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES_WIDE)
 
 
 @pytest.mark.parametrize(("plan", "M", "N", "K"), [(H100_M8, 1, 1024, 8192), (H100_M8, 8, 28672, 8192),
                                                    (NO_CLUSTERS, 1, 4096, 4096), (NO_CLUSTERS, 64, 5120, 25600),
-                                                   (NO_CLUSTERS, 3, 48, 96)])  # fmt: skip
+                                                   (NO_CLUSTERS, 3, 48, 96), (WIDE64, 64, 5120, 25600)])  # fmt: skip
 def test_the_sweep_times_the_rules_grid_first_then_every_other_grid_the_kernel_runs(plan, M, N, K):
     tokens = mk.token_tile(M)
     grids = grid_sweep.candidate_grids(plan, M, N, K, tokens)
@@ -68,7 +69,7 @@ def test_every_grid_the_rules_pick_is_one_the_kernel_runs():
         ],
         16: [mk.Plan(None, None, 128, hopper.PAIRS16_PER_SM, hopper.SMS, hopper.PAIRS16_CLUSTERS, mk.WAVES)],
         32: [PAIRS32, WIDE32],
-        64: [mk.Plan(None, None, 256, hopper.WIDE64_PER_SM, hopper.SMS, hopper.WIDE64_CLUSTERS, mk.WAVES_WIDE)],
+        64: [WIDE64],
         128: list(hopper.wide128_plans().values()),
     }
     shapes = set(grid_sweep.catalog_weights().values()) | {(48, 96), (1024, 256), (512, 3584), (96, 32), (30000, 4128)}

@@ -336,7 +336,7 @@ PAIRS32_TIMED = {
 
 
 @pytest.mark.parametrize(("N", "K"), list(PAIRS32_TIMED))
-def test_the_pair_tables_32_token_tile_takes_a_grid_within_1_percent_of_the_fastest_timed(N, K):
+def test_the_pair_table_kernel_at_32_tokens_takes_a_grid_within_1_percent_of_the_fastest_timed(N, K):
     """At 32 rows on Hopper (2 blocks of the pair-table kernel's 32-token tile an SM, clusters) the
     waves rule picks the fastest grid timed, or one within 1% (its price does not move these picks)."""
     g = matmul_kernel.grid_for(32, N, K, 32, hopper.PAIRS32_PER_SM, hopper.SMS, hopper.PAIRS32_CLUSTERS, rule=WAVES)
@@ -823,7 +823,7 @@ def test_one_hot_rows_give_the_kernels_weights_bit_for_bit(
     ("quant_type", "dtype", "blocksize"), [("nf4", torch.bfloat16, 64), ("fp4", torch.float16, 256)], ids=str
 )
 @pytest.mark.parametrize("M", [17, 32])
-def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_pair_tables_32_token_tile(
+def test_17_to_32_rows_of_a_nested_weight_past_the_two_tile_size_run_the_pair_table_kernel_at_32_tokens(
     cuda, bnb, run_seed, quant_type, dtype, blocksize, M
 ):
     """The other side of ``matmul_kernel.tile_for``'s line (the small weights' side is the one-hot
@@ -898,11 +898,19 @@ def test_one_row_calls_give_the_emulated_bits_at_every_block_and_step_boundary(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("quant_type", "dtype", "blocksize", "nested"),
-    [("nf4", torch.bfloat16, 64, True), ("fp4", torch.float16, 32, False), ("nf4", torch.float16, 256, False)],
+    ("quant_type", "dtype", "blocksize", "nested", "M"),
+    [
+        (*formats, M)
+        for formats in [
+            ("nf4", torch.bfloat16, 64, True),
+            ("fp4", torch.float16, 32, False),
+            ("nf4", torch.float16, 256, False),
+        ]
+        for M in (17, 64, 100, 130)  # the 32-, 64- and 128-token tiles, and two of 128
+        if not (formats[3] and M <= 32)  # nested weights run 17-32 rows on the pair-table kernel
+    ],
     ids=str,
 )
-@pytest.mark.parametrize("M", [17, 64, 100, 130])  # the 32-, 64- and 128-token tiles, and two of 128
 def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     cuda, run_seed, monkeypatch, quant_type, dtype, blocksize, nested, M
 ):
@@ -913,9 +921,7 @@ def test_the_mma_sync_wide_kernel_runs_here_as_on_gpus_before_hopper(
     monkeypatch.setattr(matmul_kernel, "WGMMA_TARGETS", {})
     monkeypatch.setattr(matmul_kernel, "_plans", {})
     monkeypatch.setattr(launcher, "_loaded", {})
-    K = 4096 + 96  # a partial last step
-    # A small nested weight would run 17-32 rows as two 16-token tiles, not on this kernel.
-    N = features_past_two_tiles(K) if nested and M <= 32 else 200
+    K, N = 4096 + 96, 200  # a partial last step
     variant = matmul_kernel.variant_for(dtypes.ACTIVATION_NAME[dtype], quant_type, nested, M, N * K)
     assert variant.build(launcher.device_arch(cuda.index))[0] == matmul_kernel.SOURCE_WIDE
     B, qs, W = _weights(N, K, quant_type, blocksize, nested, dtype, run_seed, cuda)

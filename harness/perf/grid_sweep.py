@@ -77,7 +77,7 @@ def candidate_grids(plan: matmul_kernel.Plan, M: int, N: int, K: int, tokens: in
     ``MAX_SPLITS`` splits of whole steps (no empty one), each finished, and clustered where
     ``plan.runs`` allows it."""
     groups, tiles = -(-N // matmul_kernel.features_per_block(tokens, plan.warps)), -(-M // tokens)
-    steps = matmul_kernel.steps_of(K, tokens)
+    steps = matmul_kernel.steps_of(K, plan.rule)
     grids = [plan.grid(M, N, K, tokens)]
     for wanted in range(1, min(matmul_kernel.MAX_SPLITS, steps) + 1):
         per_split = -(-steps // wanted)

@@ -373,6 +373,8 @@ def spec_for(variant: MatmulVariant, arch: str) -> jit.CompileSpec:
 
 def step_k(rule: str) -> int:
     """k one warp covers per step in a kernel whose grids follow ``rule`` (``grid_rule_of``)."""
+    if rule not in (BUSIEST_SM, WAVES, WAVES_WIDE):  # a token count passed for a rule, say
+        raise ValueError(f"no grid rule {rule!r}")
     return STEP_K_WIDE if rule == WAVES_WIDE else STEP_K_M8
 
 
