@@ -168,8 +168,8 @@ def test_17_to_32_rows_of_a_small_nested_weight_run_as_two_16_token_tiles_of_the
             for arch, wide in (("sm_80", matmul_kernel.SOURCE_WIDE), ("sm_90", matmul_kernel.SOURCE_SM90)):
                 assert v.build(arch)[0] == (matmul_kernel.SOURCE_M8_PAIRS if pairs else wide), (m, nested, arch)
                 assert v.grid_rule(arch) == (matmul_kernel.WAVES if pairs else WIDE)
-    # The weights measured on both sides of the line: Gemma-3-27B's k 2048x5376 and Qwen2.5-7B's q 3584x3584.
-    assert 2048 * 5376 <= last < 3584 * 3584
+    # The weights swept on both sides of the line: Llama-3.3-70B's k 1024x8192 and Phi-3-mini's o 3072x3072.
+    assert 1024 * 8192 <= last < 3072 * 3072
 
 
 def test_every_token_tile_has_a_grid_rule_and_the_32_token_tile_splits_the_large_gate_weights():

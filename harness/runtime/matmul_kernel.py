@@ -45,9 +45,12 @@ PAIR_TILES = (8, 16, 32)
 # k weights and phi-3-mini o took 0.72-0.90x at 32 rows. Plain scales keep the wide tile (their
 # register-table kernel lost 6% on phi-3-mini o 3072x3072; kernels/NOTES.md, "17-32 rows of a small
 # weight as two 16-token tiles"). Against the pair-table kernel's own 32-token tile, which nested
-# weights above it now run, the k weight 1024x8192 took 0.95x at 24 and 32 rows (H200); the weights
-# of 12-44 M elements were not timed against it.
-TWO_TILE_ELEMENTS = 12 << 20
+# weights above the line now run, on an H200's sweep of 27 weights at 32 rows (each tile's fastest
+# grid): two 16-token tiles took 0.81-0.96x its time on the weights of up to 8 Mi elements (the k
+# weights), 1.02-1.07x at 9-12 Mi, 0.92-1.04x at 16-21 Mi and 0.98-1.44x above; the line at 8 Mi
+# puts the rules' picks at 1.018x the fastest grid of either tile on replay, at 12 Mi 1.024x
+# (kernels/NOTES.md, "The pair-table kernel's 32-token tile at two blocks an SM").
+TWO_TILE_ELEMENTS = 8 << 20
 # The register-table kernel's (SOURCE_M8: GRID_RULES) grid follows its busiest SM (grid_for) where
 # an SM holds at least this many of its blocks (16 warps), which keep the SM's integer pipe busy;
 # with fewer it follows its waves (WAVE_STEPS), as the pair-table kernel's always does (at this
@@ -142,13 +145,13 @@ class WavesPrice:
 # MB of sums pick 5 there, keep the gate weight's 4 and leave the sweep's replay as it was (1.0254
 # against 1.0257 over its 32-row cases; 1.0255 against 1.0261 on the sweep re-recorded with its
 # confirmation stage; kernels/NOTES.md, "The 32-token tile's price: a tie the sweep could not see").
-# The pair-table kernel's 32-token tile takes its 16-token tile's price: on the five weights of 44-235
-# M elements its grids were timed on at 24 and 32 rows (H200), the waves rule picks the fastest of
-# them or one within 1%, under this price or the wide tiles' alike (kernels/NOTES.md, "The pair-table
-# kernel's 32-token tile at two blocks an SM"); no sweep has timed it on other weights yet.
+# The pair-table kernel's 32-token tile keeps the flat price: on an H200's sweep of its grids at 32
+# rows (27 weights) the 16-token tile's finish price put the rules' picks at 1.030x the fastest grid
+# of either tile (the tile line at 8 Mi elements; worst 1.179: qwen3-32b o 5120x8192 in 2 clustered
+# splits where 3 finished ran 15% faster), the flat one at 1.018x (kernels/NOTES.md, "The pair-table kernel's 32-token tile at two
+# blocks an SM").
 WAVES_PRICES = {
     (WAVES, 16): WavesPrice(finish_steps=6),
-    (WAVES, 32): WavesPrice(finish_steps=6),
     (WAVES_WIDE, 32): WavesPrice(0, 0.5, 0.6),
     (WAVES_WIDE, 64): WavesPrice(0, FINISH_STEPS_PER_MB, 0.8),
 }
