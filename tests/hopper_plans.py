@@ -12,8 +12,8 @@ M8_PER_SM, M8_CLUSTERS = 4, (0, 528, 264, 163, 124, 94, 79, 69, 62, 51, 44, 37, 
 # shared memory), clusters of up to 16 splits. At 16 tokens the plain-scale kernel's plan is M8's.
 PAIRS16_PER_SM, PAIRS16_CLUSTERS = 3, (0, 396, 198, 124, 92, 69, 62, 47, 45, 37, 30, 28, 28, 23, 21, 21, 21)
 # The pair-table kernel at 32 tokens (nested scales): 2 blocks an SM (225 registers, 72 KB of shared
-# memory), clusters of up to 8 splits as read on an H200 (the driver was asked up to 8).
-PAIRS32_PER_SM, PAIRS32_CLUSTERS = 2, (0, 264, 132, 79, 62, 47, 39, 32, 30)
+# memory), clusters of up to 16 splits.
+PAIRS32_PER_SM, PAIRS32_CLUSTERS = 2, (0, 264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14)
 # The Hopper kernel at 32 tokens (plain scales): 5 blocks an SM (4 warps of 96 registers), no cluster epilogue.
 WIDE32_PER_SM = 5
 # The Hopper kernel at 64 tokens: 2 blocks an SM, pairs only (matmul_kernel.CLUSTER_SPLITS).

@@ -138,7 +138,8 @@ class WavesPrice:
 # 1.020x the fastest grid to 1.006x (H100) and 1.026x to 1.013x (H200); the seven weights whose grid
 # moved took 0.934x (H100) and 0.936x (H200) their old time side by side (kernels/NOTES.md, "The
 # 64-token tile's waves priced with a shared SM and the partial sums' bytes"). The 8-token and
-# 128-token tiles keep their fit. The 32-token tile (5 blocks an SM) took the 64-token tile's price
+# 128-token tiles keep their fit. The wide 32-token tile (5 blocks an SM; plain scales' since the
+# pair-table kernel's own took the nested calls) took the 64-token tile's price
 # (its 32-row sweep, H200: 1.019x the fastest of its grids), which gave 8192x8192 at 32 rows 4
 # splits of 16 steps for 5 of 13, a 0.4% gain on the sweep's coarse timing but 1.5% slower side by
 # side in two perf gates (red) and 3.9% in interleaved timing; a cheaper shared block and a dearer
@@ -148,8 +149,8 @@ class WavesPrice:
 # The pair-table kernel's 32-token tile keeps the flat price: on an H200's sweep of its grids at 32
 # rows (27 weights) the 16-token tile's finish price put the rules' picks at 1.030x the fastest grid
 # of either tile (the tile line at 8 Mi elements; worst 1.179: qwen3-32b o 5120x8192 in 2 clustered
-# splits where 3 finished ran 15% faster), the flat one at 1.018x (kernels/NOTES.md, "The pair-table kernel's 32-token tile at two
-# blocks an SM").
+# splits where 3 finished ran 15% faster), the flat one at 1.018x (kernels/NOTES.md, "The pair-table
+# kernel's 32-token tile at two blocks an SM").
 WAVES_PRICES = {
     (WAVES, 16): WavesPrice(finish_steps=6),
     (WAVES_WIDE, 32): WavesPrice(0, 0.5, 0.6),
