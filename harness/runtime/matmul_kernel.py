@@ -27,6 +27,7 @@ from harness.runtime.operands import ANY, LIKE_A, Count, Operand
 # keep per-block register tables of the dequantized weights (SOURCE_M8). With more tokens, the
 # shared-memory code table, whose few registers keep more warps in flight. kernels/NOTES.md.
 SOURCE_M8, SOURCE_M8_PAIRS, SOURCE_WIDE = "matmul_4bit_m8.cu", "matmul_4bit_m8_pairs.cu", "matmul_4bit.cu"
+SOURCE_SM90 = "matmul_4bit_sm90.cu"  # the wide tiles on Hopper (WGMMA_TARGETS, below)
 # The token tiles SOURCE_M8 runs (plain scales) and SOURCE_M8_PAIRS runs (nested; the wider ones, and
 # every wider one of plain scales, run SOURCE_WIDE). At 16 tokens the pair-table kernel took the gate
 # weight 28672x8192 from the wide kernel's 96 to 82 µs and 8192x8192 from 36 to 30 (H100). Its 32-token
@@ -77,7 +78,7 @@ WAVE_STEPS, FINISH_STEPS = 4, 2
 # (PARTIAL_FLOOR_BYTES): the rule names the kernel family, since a token count alone does not (32
 # tokens: the pair-table kernel's tile for nested scales, the wide kernels' for plain ones).
 BUSIEST_SM, WAVES, WAVES_WIDE = "busiest-sm", "waves", "waves-wide"
-GRID_RULES = {SOURCE_M8: BUSIEST_SM, SOURCE_WIDE: WAVES_WIDE}
+GRID_RULES = {SOURCE_M8: BUSIEST_SM, SOURCE_WIDE: WAVES_WIDE, SOURCE_SM90: WAVES_WIDE}
 
 
 def grid_rule_of(source: str) -> str:
@@ -87,9 +88,7 @@ def grid_rule_of(source: str) -> str:
 
 # On Hopper the wider tiles run the same decode with the warpgroup mma (wgmma), which reads the
 # activations from shared memory itself: built for the arch-specific target that has it. Same
-# steps, warps and grid rules as SOURCE_WIDE; its 128-token tile also builds with WIDE_WARPS.
-SOURCE_SM90 = "matmul_4bit_sm90.cu"
-GRID_RULES[SOURCE_SM90] = WAVES_WIDE
+# steps, warps and grid rules as SOURCE_WIDE (SOURCE_SM90); its 128-token tile also builds with WIDE_WARPS.
 WGMMA_TARGETS = {"sm_90": "sm_90a"}  # GPU arch -> the compile target of SOURCE_SM90
 ENTRY, FINISH = "matmul_4bit_kernel", "matmul_4bit_finish"
 QUANT_TYPES = ("nf4", "fp4")
