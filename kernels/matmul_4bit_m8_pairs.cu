@@ -64,7 +64,7 @@
 // 8 tokens: 128 registers a thread, 4 blocks of 4 warps an SM (at 5 or 6 the compiler's schedule lost
 // 25-35%). 16 tokens: 168, 3 blocks (at 4 it spilled and ran the gate weight 14% slower on an H100;
 // with today's kernel 4 bytes spilled and 3-18% slower at 9-16 rows on an H200). 32 tokens: 225 on
-// sm_90 (245 before it), 2 blocks: each decoded fragment feeds 8 mmas, so fewer warps keep the pipes
+// sm_90 (245 on sm_80-89), 2 blocks: each decoded fragment feeds 8 mmas, so fewer warps keep the pipes
 // busy (0.80-0.94x the wgmma kernel's 32-token tile on an H200). NOTES.
 #define MIN_BLOCKS (MM_TOKENS == 8 ? 4 : MM_TOKENS == 16 ? 3 : 2)
 
