@@ -18,9 +18,8 @@ RULES = (matmul_kernel.BUSIEST_SM, matmul_kernel.WAVES)  # the plain and nested 
 def tile_and_rule(M: int, N: int, K: int, rule: str) -> tuple[int, str]:
     """The token tile of a call of the kernel family whose decode tiles follow ``rule`` (nested
     scales: WAVES), and the rule that tile's grid follows (a wide tile's: WAVES_WIDE)."""
-    nested = rule == matmul_kernel.WAVES
-    tokens = matmul_kernel.tile_for(M, nested, N * K)
-    return tokens, matmul_kernel.MatmulVariant("bf16", "nf4", nested, tokens).grid_rule("sm_90")
+    variant = matmul_kernel.variant_for("bf16", "nf4", rule == matmul_kernel.WAVES, M, N * K)
+    return variant.tokens, variant.grid_rule("sm_90")
 
 
 REPORT = """========= COMPUTE-SANITIZER

@@ -10,7 +10,7 @@ import functools
 import pytest
 
 from harness.compile_check import schedule
-from harness.runtime import ops
+from harness.runtime import matmul_kernel, ops
 
 
 def _sass(body: list[str]) -> str:
@@ -131,11 +131,13 @@ def test_a_register_pair_and_a_predicate_are_read_as_such():
     assert not schedule.parse(_sass(["LDS R52, [R52+UR5]"])).instructions[0].global_load()
 
 
+# Every build of the pair-table kernel, by its source (its 8-, 16- and 32-token tiles, the few-rows
+# build and its columns form).
 PAIR_TABLE_VARIANTS = [
     (arch, name)
     for arch in ("sm_80", "sm_90")
-    for name, _ in ops.compile_specs(arch)
-    if name.startswith("mm4-") and "-nested-" in name and ("-m8-" in name or "-m16-" in name)
+    for name, spec in ops.compile_specs(arch)
+    if spec.source.name == matmul_kernel.SOURCE_M8_PAIRS
 ]
 
 
