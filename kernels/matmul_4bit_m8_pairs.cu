@@ -272,11 +272,15 @@ __device__ __forceinline__ constexpr int act_slot(int row, int piece) {
     return row * (ACT_ROW_CHUNKS + (kChunk == 64 ? 1 : 4)) + piece;
 }
 
-#define ACT_TILE_SLOTS (MM_TOKENS * (ACT_ROW_CHUNKS + (MM_COLUMNS ? 6 : 4 + 4 * ALIGNED_ROWS)))  // slots of one stage
+// Rows of the activation tile: the columns build holds only the rows it reads (its M <= MM_FEW_ROWS = 4),
+// 4.9 KB less shared memory a block, so 4 blocks an SM fit sm_90's 164 KB carveout and leave L1 92 KB for
+// the scale codes, not 60 (kernels/NOTES.md, "The columns build's tile of 4 rows").
+#define ACT_TILE_ROWS (MM_COLUMNS ? MM_FEW_ROWS : MM_TOKENS)
+#define ACT_TILE_SLOTS (ACT_TILE_ROWS * (ACT_ROW_CHUNKS + (MM_COLUMNS ? 6 : 4 + 4 * ALIGNED_ROWS)))  // one stage
 #define ACT_ROW_STRIDE (MM_WARPS * 32 / ACT_ROW_CHUNKS)    // rows a block's threads cover
-#define ACT_ROWS_A_THREAD (MM_TOKENS / ACT_ROW_STRIDE)
+#define ACT_ROWS_A_THREAD (ACT_TILE_ROWS / ACT_ROW_STRIDE)
 static_assert(ACT_ROW_STRIDE % 2 == 0, "a thread's rows ACT_ROW_STRIDE apart keep their parity (act_slot's swap)");
-static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && MM_TOKENS % ACT_ROW_STRIDE == 0,
+static_assert(ACT_ROW_STRIDE * ACT_ROW_CHUNKS == MM_WARPS * 32 && ACT_TILE_ROWS % ACT_ROW_STRIDE == 0,
               "a block's threads must split the activation tile into whole rows of pieces");
 
 // What a thread stages each step: piece threadIdx.x % 32 of rows ACT_ROW_STRIDE apart, from its
