@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.runtime import jit
-from harness.runtime.matmul_kernel import STEP_K_M8, STEP_K_WIDE
+from harness.runtime.matmul_kernel import COLUMNS_ROWS, STEP_K_M8, STEP_K_WIDE
 
 
 def a_fragment_position(lane: int, reg: int, half: int) -> tuple[int, int]:
@@ -196,9 +196,26 @@ def _act_slot(file: str) -> Callable[[int, int, int], int]:
 
 
 def _tile_slots(file: str) -> Callable[[int, int], int]:
-    return _source_expression(
-        file, r"#define ACT_TILE_SLOTS (\(.+\))  //", "MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0"
+    """Slots of one stage; the pair-table kernel's tile rows (ACT_TILE_ROWS) are read into it as written."""
+    slots = _source_expression(
+        file,
+        r"#define ACT_TILE_SLOTS (\(.+\))  //",
+        "MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0, MM_FEW_ROWS=0, ACT_TILE_ROWS=None",
     )
+    if "#define ACT_TILE_ROWS" not in (jit.kernels_dir() / file).read_text():
+        return slots
+    rows = _tile_rows(file)
+
+    def of(MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0, MM_FEW_ROWS=0):  # noqa: N803: the macros' names
+        tile_rows = rows(MM_TOKENS, MM_COLUMNS, MM_FEW_ROWS)
+        return slots(MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS, ALIGNED_ROWS, MM_FEW_ROWS, tile_rows)
+
+    return of
+
+
+def _tile_rows(file: str) -> Callable[[int, int, int], int]:
+    """Token rows a stage of the activation tile holds (the pair-table kernel's ACT_TILE_ROWS)."""
+    return _source_expression(file, r"#define ACT_TILE_ROWS (\(.+\))\n", "MM_TOKENS, MM_COLUMNS, MM_FEW_ROWS")
 
 
 # The chunk each lane reads for its mma j, as each kernel writes it.
@@ -653,16 +670,19 @@ def emulate_pair_columns(
     assert M <= 4 and K % 128 == 0
     act = A.double()
     row_chunks = STEP_K_M8 // 8
+    # The columns build (MM_FEW_ROWS = COLUMNS_ROWS) holds the tile's rows its lanes read, its slots in one stage.
+    tile_rows = _tile_rows(_M8P)(8, 1, COLUMNS_ROWS)
+    tile_slots = _tile_slots(_M8P)(8, row_chunks, 1, MM_FEW_ROWS=COLUMNS_ROWS)
     out = torch.zeros(M, N, dtype=torch.float64)
     for n0 in range(0, N, 16):
         acc = torch.zeros(32, 2, dtype=torch.float64)  # lane -> (feature g, g + 8) of token t
         for step in range(-(-K // STEP_K_M8)):
             tile = {}
-            for r in range(8):  # stage_activations: rows past M not staged (NaN), zeros past K
+            for r in range(tile_rows):  # stage_activations: rows past M not staged (NaN), zeros past K
                 for p in range(row_chunks):
                     k = step * STEP_K_M8 + 8 * p
                     slot = COLS_SLOT(r, p, row_chunks)
-                    assert slot not in tile and 0 <= slot < _tile_slots(_M8P)(8, row_chunks, 1)
+                    assert slot not in tile and 0 <= slot < tile_slots
                     zeros, nan = (
                         torch.zeros(8, dtype=torch.float64),
                         torch.full((8,), float("nan"), dtype=torch.float64),
