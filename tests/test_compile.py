@@ -85,7 +85,9 @@ def test_every_matmul_variant_compiles_for_every_arch_it_is_built_for(compiled_a
     table = {matmul_kernel.SOURCE_M8: 0, matmul_kernel.SOURCE_M8_PAIRS: 256 * 4 * 32}.get(source, 64)
     if source == matmul_kernel.SOURCE_SM90 and variant.tokens >= 64:  # 256 fp32 pairs, 16 copies each
         table = 256 * 8 * 16
-    activations = 2 * variant.tokens * matmul_kernel.step_k(variant.grid_rule(arch)) * 2
+    # The columns build holds only the rows it reads (COLUMNS_ROWS: ACT_TILE_ROWS).
+    rows = matmul_kernel.COLUMNS_ROWS if variant.columns else variant.tokens
+    activations = 2 * rows * matmul_kernel.step_k(variant.grid_rule(arch)) * 2
     tables = table + (1024 if variant.nested else 0)
     # The register-table kernel pads a 16-byte slot after every 8 chunks (128 bytes) of a row: 4 to
     # a row of 32 16-byte pieces, as the pair-table one's 8-token tile does; its 16-token tile 8 (rows
