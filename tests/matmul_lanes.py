@@ -206,7 +206,7 @@ def _tile_slots(file: str) -> Callable[[int, int], int]:
         return slots
     rows = _tile_rows(file)
 
-    def of(MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0, MM_FEW_ROWS=0):  # noqa: N803: the macros' names
+    def of(MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS=0, ALIGNED_ROWS=0, MM_FEW_ROWS=0):  # the macros' names
         tile_rows = rows(MM_TOKENS, MM_COLUMNS, MM_FEW_ROWS)
         return slots(MM_TOKENS, ACT_ROW_CHUNKS, MM_COLUMNS, ALIGNED_ROWS, MM_FEW_ROWS, tile_rows)
 
