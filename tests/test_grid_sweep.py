@@ -411,6 +411,53 @@ def test_a_sweep_cut_short_keeps_the_cases_it_finished_for_a_replay(tmp_path):
     assert done["cases"] == finished and not list((tmp_path / "done").iterdir())
 
 
+def test_a_sweep_merged_into_a_record_replaces_its_cases_of_the_same_weight_and_rows():
+    record = {
+        "machine": {"gpu": "A"},
+        "note": "what was timed where",
+        "cases": [_case({RULE: 1.0}, M=1), _case({RULE: 2.0}, M=8), _case({RULE: 3.0}, M=16)],
+    }
+    before = json.dumps(record)
+    swept = {"machine": {"gpu": "B"}, "cases": [_case({RULE: 9.0}, M=8), _case({RULE: 7.0}, M=32)]}
+    merged, replaced, added = grid_sweep.merge_record(record, swept, "8-row machine")
+    assert [(c["M"], c["µs by grid"][RULE]) for c in merged["cases"]] == [(1, 1.0), (8, 9.0), (16, 3.0), (32, 7.0)]
+    layer = record["cases"][0]["layer"]
+    assert (replaced, added) == ([f"{layer} @ 8"], [f"{layer} @ 32"])
+    assert (
+        merged["8-row machine"] == {"gpu": "B"}
+        and merged["machine"] == {"gpu": "A"}
+        and merged["note"] == "what was timed where"
+    )
+    assert json.dumps(record) == before  # the record itself untouched
+    # The same sweep merged again changes nothing; a key that names another machine, or a sweep that
+    # times a case twice, is refused.
+    assert grid_sweep.merge_record(merged, swept, "8-row machine")[0] == merged
+    with pytest.raises(ValueError, match="already names 'machine'"):
+        grid_sweep.merge_record(record, swept, "machine")
+    with pytest.raises(ValueError, match="twice"):
+        grid_sweep.merge_record(record, swept | {"cases": swept["cases"] * 2}, "8-row machine")
+
+
+def test_merge_into_rewrites_a_committed_record_as_the_repository_keeps_it(tmp_path, capsys):
+    """Through the command line: the sweep is judged as by --replay, then merged; a sweep of the
+    record's own cases on its own machine leaves the committed file byte for byte."""
+    committed = RECORDED[-1].read_bytes()
+    record = json.loads(committed)
+    target, sweep_file = tmp_path / "record.json", tmp_path / "sweep.json"
+    target.write_bytes(committed)
+    sweep_file.write_text(json.dumps({"machine": record["machine"], "cases": record["cases"][:2]}))
+    argv = [f"--out={tmp_path / 'r'}", f"--replay={sweep_file}", f"--merge-into={target}"]
+    assert grid_sweep.main([*argv, "--machine-key=machine"]) == 0
+    assert target.read_bytes() == committed
+    assert "2 cases replaced, 0 added" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no key for the sweep's machine
+        grid_sweep.main(argv)
+    sweep_file.write_text(json.dumps({"machine": {"gpu": "another"}, "cases": record["cases"][:1]}))
+    with pytest.raises(SystemExit):  # a key the record gives another machine
+        grid_sweep.main([*argv, "--machine-key=machine"])
+    assert target.read_bytes() == committed
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_every_grid_of_a_sweep_computes_inside_the_bound_and_replays_as_judged(cuda, tmp_path):
     args = ["--shape=small=1024x4096", "--rows=1,32,64", "--geomean-tolerance=10"]

@@ -16,6 +16,8 @@ judges the rule that picks the tile (``tile_for``) as well as the grid's.
                                       [--rows 1,8,64] [--tolerance 0.05] [--geomean-tolerance 0.05]
                                       [--confirm-within 0.02]
     python -m harness.perf.grid_sweep --out DIR --replay RECORDED/grid-sweep.json   (no GPU)
+    python -m harness.perf.grid_sweep --out DIR --replay NEW/grid-sweep.json \
+                                      --merge-into baselines/grid-sweep-GPU.json --machine-key "1-row machine"
 
 Exit status 1 where the rules' grids take more than ``--geomean-tolerance`` longer than the fastest
 grids (geometric mean over the cases), or any grid's output is out of bound: on a GPU the rules
@@ -27,7 +29,11 @@ Where the rules' grid is not among them, it is timed again in turns with the fas
 a grid's first-pass time can be 10% off, which would judge the rules by one sample.
 Each case is recorded with every grid's time and what the rules read of the GPU, so ``--replay``
 judges a changed rule against a recorded sweep without a GPU; a sweep cut short leaves the cases it
-finished in ``grid-sweep.partial.json`` (``record_cases``), which ``--replay`` judges as well. The
+finished in ``grid-sweep.partial.json`` (``record_cases``), which ``--replay`` judges as well. A sweep
+of some weights or row counts (after a kernel change, or one cut short) goes into a committed record
+with ``--merge-into`` (``merge_record``): its cases replace the record's of the same weight and rows,
+its machine is kept under ``--machine-key``, and the record's note, which says what was timed where,
+is left for a person to extend. The
 report ends with each kernel's fastest times at each row count fit as a fixed cost plus the bytes at
 a streaming rate (``cost_lines``).
 """
@@ -344,6 +350,38 @@ def record_cases(machine: dict, swept: Iterable[dict], out: Path) -> dict:
     return recorded
 
 
+def merge_record(record: dict, swept: dict, machine_key: str) -> tuple[dict, list[str], list[str]]:
+    """``record`` with ``swept``'s cases in place of its cases of the same layer and rows (in the
+    record's order; cases it lacks appended) and ``swept``'s machine under ``machine_key``: (the merged
+    record, the cases replaced, the cases added), each named "layer @ M". Refused: a sweep that times a
+    case twice, or a machine key the record already gives another machine (each case's times must stay
+    traceable to the GPU that took them)."""
+    fresh = {_case_key(case): case for case in swept["cases"]}
+    if len(fresh) != len(swept["cases"]):
+        raise ValueError("the sweep holds a case twice (the same layer and rows)")
+    if machine_key in ("cases", "note") or record.get(machine_key, swept["machine"]) != swept["machine"]:
+        raise ValueError(f"the record already names {machine_key!r}: choose a key for this sweep's machine")
+    cases = [fresh.get(_case_key(case), case) for case in record["cases"]]
+    held = {_case_key(case) for case in record["cases"]}
+    added = [case for k, case in fresh.items() if k not in held]
+    merged = record | {machine_key: swept["machine"], "cases": cases + added}
+    return merged, [_case_name(c) for k, c in fresh.items() if k in held], [_case_name(c) for c in added]
+
+
+def _case_key(case: dict) -> tuple[str, int]:
+    """A recorded case's identity: its weight (layer) and its rows."""
+    return case["layer"], case["M"]
+
+
+def _case_name(case: dict) -> str:
+    return f"{case['layer']} @ {case['M']}"
+
+
+def write_record(path: Path, record: dict) -> None:
+    """A committed record, as the repository keeps it (one-space indent, characters as written)."""
+    jit.atomic_write(path, (json.dumps(record, indent=1, default=str, ensure_ascii=False) + "\n").encode())
+
+
 def report(recorded: dict, tolerance: float, geomean_tolerance: float, out: Path) -> int:
     """Judge the recorded cases with this checkout's rules; write the report beside them; 0 where
     every output was in bound and the rules' grids take at most ``geomean_tolerance`` longer than
@@ -415,10 +453,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--replay", type=Path, help="a recorded grid-sweep.json: judge its times with this checkout's rules (no GPU)"
     )
+    parser.add_argument(
+        "--merge-into", type=Path, help="with --replay: a committed record its cases replace (merge_record)"
+    )
+    parser.add_argument("--machine-key", help="with --merge-into: the record's name for the sweep's machine")
     args = parser.parse_args(argv)
+    if args.merge_into and not (args.replay and args.machine_key):
+        parser.error("--merge-into takes the sweep as --replay and its machine's name as --machine-key")
     if args.replay:
         recorded = json.loads(args.replay.read_text())
-        return report({k: recorded[k] for k in ("machine", "cases")}, args.tolerance, args.geomean_tolerance, args.out)
+        recorded = {k: recorded[k] for k in ("machine", "cases")}
+        status = report(recorded, args.tolerance, args.geomean_tolerance, args.out)
+        if args.merge_into:
+            try:
+                merged, replaced, added = merge_record(
+                    json.loads(args.merge_into.read_text()), recorded, args.machine_key
+                )
+            except ValueError as e:
+                parser.error(str(e))
+            write_record(args.merge_into, merged)
+            print(f"\n{args.merge_into}: {len(replaced)} cases replaced, {len(added)} added", *added, sep="\n  ")
+            print("its note says what was timed on which machine: extend it for this sweep")
+        return status
     device = torch.device("cuda", torch.cuda.current_device())
     nvml = gpu_info.nvml_device(device.index)
     timer = gpu_timer.ColdL2Timer(device, stop=STOP, clock=gpu_info.sm_clock_reader(nvml))
