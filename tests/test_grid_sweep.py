@@ -436,6 +436,9 @@ def test_a_sweep_merged_into_a_record_replaces_its_cases_of_the_same_weight_and_
         grid_sweep.merge_record(record, swept, "machine")
     with pytest.raises(ValueError, match="twice"):
         grid_sweep.merge_record(record, swept | {"cases": swept["cases"] * 2}, "8-row machine")
+    wrong = swept | {"cases": [swept["cases"][0] | {"all in bound": False}]}
+    with pytest.raises(ValueError, match="left the bound"):
+        grid_sweep.merge_record(record, wrong, "8-row machine")
 
 
 def test_merge_into_rewrites_a_committed_record_as_the_repository_keeps_it(tmp_path, capsys):

@@ -353,9 +353,12 @@ def record_cases(machine: dict, swept: Iterable[dict], out: Path) -> dict:
 def merge_record(record: dict, swept: dict, machine_key: str) -> tuple[dict, list[str], list[str]]:
     """``record`` with ``swept``'s cases in place of its cases of the same layer and rows (in the
     record's order; cases it lacks appended) and ``swept``'s machine under ``machine_key``: (the merged
-    record, the cases replaced, the cases added), each named "layer @ M". Refused: a sweep that times a
-    case twice, or a machine key the record already gives another machine (each case's times must stay
-    traceable to the GPU that took them)."""
+    record, the cases replaced, the cases added), each named "layer @ M". Refused: a sweep with a grid
+    whose output left the bound (a kernel to fix, not a time to keep), a sweep that times a case twice,
+    or a machine key the record already gives another machine (each case's times must stay traceable to
+    the GPU that took them)."""
+    if wrong := [_case_name(case) for case in swept["cases"] if not case["all in bound"]]:
+        raise ValueError(f"a grid's output left the bound in {', '.join(wrong)}: not recorded")
     fresh = {_case_key(case): case for case in swept["cases"]}
     if len(fresh) != len(swept["cases"]):
         raise ValueError("the sweep holds a case twice (the same layer and rows)")
