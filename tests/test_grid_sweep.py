@@ -358,7 +358,7 @@ def test_each_tile_of_a_sweep_is_judged_by_its_own_arithmetic(bnb, run_seed):
     assert bool((dequantized < call).all())
     wide = mk.variant_for("bf16", "nf4", True, 64, 64 * 512)
     assert torch.equal(grid_sweep.tile_reference(wide, x, B, qs, W).bound, dequantized)
-    assert mr.arithmetic_of(32, True) == mr.arithmetic_of_tile(16, True) != mr.arithmetic_of_tile(64, True)
+    assert mr.arithmetic_of(32, True) == mr.arithmetic_of(16, True) != mr.arithmetic_of(64, True)
 
 
 def test_a_grid_whose_output_leaves_the_bound_is_named_with_its_worst_ratio(monkeypatch):

@@ -203,9 +203,9 @@ def test_the_judge_and_the_runtime_agree_on_each_token_tiles_arithmetic():
     from harness.runtime import matmul_kernel as mk
 
     for tokens, nested in itertools.product(mk.TOKEN_TILES, (True, False)):
-        assert mk.tile_arithmetic(tokens, nested) == mr.arithmetic_of_tile(tokens, nested), (tokens, nested)
+        assert mk.tile_arithmetic(tokens, nested) == mr.arithmetic_of(tokens, nested), (tokens, nested)
         for arch in ("sm_80", "sm_90"):
             source = mk.MatmulVariant("bf16", "nf4", nested, tokens).build(arch)[0]
-            assert mk.ARITHMETIC.get(source, "dequantized") == mr.arithmetic_of_tile(tokens, nested), (arch, tokens)
-    assert [mr.arithmetic_of_tile(t, True) for t in (8, 16, 32, 64)] == [*["scaled-sums"] * 3, "dequantized"]
-    assert mr.arithmetic_of_tile(16, False) == "dequantized"
+            assert mk.ARITHMETIC.get(source, "dequantized") == mr.arithmetic_of(tokens, nested), (arch, tokens)
+    assert [mr.arithmetic_of(t, True) for t in (8, 16, 32, 64)] == [*["scaled-sums"] * 3, "dequantized"]
+    assert mr.arithmetic_of(16, False) == "dequantized"

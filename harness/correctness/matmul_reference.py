@@ -198,17 +198,12 @@ def reference_weights(
 SCALED_SUMS_ROWS = 32
 
 
-def arithmetic_of_tile(tokens: int, nested: bool) -> str:
-    """The arithmetic of the fused kernel whose token tile holds ``tokens`` rows, whatever the call's
-    (the grid sweep times both tiles a 17-32-row call may run, on every weight): the decode tiles (up
-    to SCALED_SUMS_ROWS) of nested weights take scaled sums, the wider ones the dequantized bits."""
-    return "scaled-sums" if nested and tokens <= SCALED_SUMS_ROWS else "dequantized"
-
-
 def arithmetic_of(rows: int, nested: bool) -> str:
-    """The arithmetic of the fused kernel that multiplies ``rows`` tokens: a decode tile's up to
-    SCALED_SUMS_ROWS rows (one tile, or two of 16 tokens), else a tile of the call's rows."""
-    return arithmetic_of_tile(rows, nested)
+    """The arithmetic of the fused kernel that multiplies a call of ``rows`` rows, or whose token tile
+    holds ``rows`` (the grid sweep times both tiles a 17-32-row call may run, on every weight; the two
+    agree, so one statement serves both): nested weights up to SCALED_SUMS_ROWS take scaled sums (the
+    pair-table kernel's tiles, one or two of them), the wider tiles the dequantized bits."""
+    return "scaled-sums" if nested and rows <= SCALED_SUMS_ROWS else "dequantized"
 
 
 def fused_reference(

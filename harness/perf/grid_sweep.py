@@ -277,10 +277,10 @@ def confirm(measure_us: Callable[[Callable[[], object]], float], runs: dict, rou
 
 def tile_reference(variant: matmul_kernel.MatmulVariant, x, B, qs, W) -> mr.Reference:
     """The reference a sweep judges ``variant``'s grids by: its token tile's arithmetic
-    (``matmul_reference.arithmetic_of_tile``), not the one the rules' tile for the call would run
+    (``matmul_reference.arithmetic_of``), not the one the rules' tile for the call would run
     (the 16-token tile judged as a large weight's 32-token tile: one output of 9216x3072 at 32 rows
     read 1.12x that bound, H200)."""
-    return mr.kernel_reference(mr.arithmetic_of_tile(variant.tokens, variant.nested), x, B, qs, W, None, x.dtype)
+    return mr.kernel_reference(mr.arithmetic_of(variant.tokens, variant.nested), x, B, qs, W, None, x.dtype)
 
 
 def tile_variants(M: int, N: int, K: int) -> list[matmul_kernel.MatmulVariant]:
