@@ -1,0 +1,257 @@
+// Probe, not part of the harness: issue 38's 128-token design with the decode off the tensor cores'
+// path. A block of 128 features runs two consumer warpgroups (wgmma m64n128k16, both operands from
+// shared memory) and PW producer warps, which stream the packed weights (the gate weight's 28672 rows of
+// 4096 bytes), look each byte up in a 32 KB table of code pairs (32 copies: conflict-free), write the
+// decoded bf16 tile in wgmma's 128-byte-swizzled K-major layout, and stage 128 tokens' activations by
+// cp.async into the same layout; STAGES stages of both tiles on mbarriers (full: producers to consumers,
+// empty: back). The codes only (no scales): the shared-memory and tensor pipes' ceiling for this
+// traffic, not the kernel. kernels/NOTES.md ("The gate weight at 1-128 rows under ncu") predicts it
+// bound by the shared-memory pipe near 1,750 cycles a step. Checked against a plain reference first;
+// variants without the wgmmas (consumers release at once) and without the decode (producers write
+// nothing) separate the pipes. Timing as in read_pattern.cu.
+// Build and run on a GPU: nvcc -O3 -arch=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
+#include <cuda_bf16.h>
+#include "probe.cuh"
+
+#define K_ELEMS (2 * ROWB)  // 8192 k
+#define TOKENS 128
+#define FEATURES 128        // a block's rows of the weight
+#define STEPS (ROWB / 64)   // steps of 128 k (64 packed bytes a row)
+#define HALF_BYTES 16384    // one 64-k half of a tile: 128 rows of 128 bytes
+#define TILE_BYTES (2 * HALF_BYTES)
+#define TABLE_BYTES (256 * 32 * 4)
+
+__constant__ float c_nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                                -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                                0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
+                                0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+                                0.7229568362236023f, 1.0f};
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half): the lower k
+    return *reinterpret_cast<const u32*>(&v);
+}
+
+// Byte x of a 128-byte row r of a 128-byte-swizzled tile: its 16-byte piece XORed with r mod 8.
+__device__ __forceinline__ u32 swz(u32 r, u32 piece) { return r * 128 + ((piece ^ (r & 7)) << 4); }
+
+// wgmma's shared-memory descriptor of a K-major operand in the 128-byte swizzle: start, LBO 1 (unused
+// there), SBO 1024 bytes (8 rows), layout 1 (128B).
+__device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
+    return ((addr & 0x3ffffu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void bar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// PW producer warps; STAGES stages; WGMMA 0: the consumers release each stage at once; DECODE 0: the
+// producers load the weights but write no tile. out: [TOKENS][N] fp32.
+template <int PW, int STAGES, int WGMMA, int DECODE>
+__global__ void __launch_bounds__(256 + 32 * PW, 1)
+    stage_probe(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ act, float* __restrict__ out) {
+    extern __shared__ __align__(1024) unsigned char dyn[];
+    const u32 dyn_s = (u32)__cvta_generic_to_shared(dyn), base = (dyn_s + 1023) & ~1023u;
+    const u32 table = base, tiles = base + TABLE_BYTES;  // stage s: A at tiles + 2s TILE_BYTES, B after it
+    const u32 bars = tiles + 2 * STAGES * TILE_BYTES;    // full[s] at 8s, empty[s] at 8 (STAGES + s)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * FEATURES;
+    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry e, copy (lane) c: word 32 e + c
+        const int e = i >> 5;
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * i), "r"(pack_bf16(c_nf4[e >> 4], c_nf4[e & 15])));
+    }
+    if (threadIdx.x == 0)
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(bars + 8 * s, 32 * PW);
+            bar_init(bars + 8 * (STAGES + s), 256);
+        }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+
+    if (warp >= 8) {  // producers
+        constexpr int RW = FEATURES / PW, J = RW / 8, CH = TILE_BYTES / 16 / (32 * PW), D = STAGES - 2;
+        const int pw = warp - 8, pt = threadIdx.x - 256;
+        const unsigned char* rows = W + (size_t)(n0 + pw * RW + g) * ROWB + t * 16;
+        auto load_b = [&](int step) {  // the activation tile of `step` into its stage, one cp.async group
+            const u32 b = tiles + (2 * (step % STAGES) + 1) * TILE_BYTES;
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int idx = pt + 32 * PW * i, m = idx >> 4, x = idx & 15;
+                cp16(b + (x >> 3) * HALF_BYTES + swz(m, x & 7), act + (size_t)m * K_ELEMS + step * 128 + x * 8);
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        };
+        uint4 cur[J], nxt[J];
+#pragma unroll
+        for (int j = 0; j < J; ++j) cur[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB));
+        for (int s = 0; s < D; ++s) load_b(s);
+        const u32 lane4 = 4 * lane;
+        for (int step = 0; step < STEPS; ++step) {
+            const int ahead = step + D;
+            if (ahead < STEPS) {
+                if (ahead >= STAGES) bar_wait(bars + 8 * (STAGES + ahead % STAGES), ((ahead / STAGES) - 1) & 1);
+                load_b(ahead);
+            } else {
+                asm volatile("cp.async.commit_group;" ::: "memory");  // keeps the group count in step
+            }
+            if (step + 1 < STEPS)
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+                    nxt[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB + (step + 1) * 64));
+            if (DECODE) {
+                const u32 a = tiles + 2 * (step % STAGES) * TILE_BYTES + (t >> 1) * HALF_BYTES;
+#pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    const u32 r = pw * RW + g + 8 * j;
+                    const u32 v[4] = {cur[j].x, cur[j].y, cur[j].z, cur[j].w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        // lanes t and t + 2 write different pieces: word i or i ^ 2 (conflict-free quarter warps)
+                        const int q = i ^ ((t >> 1) << 1);
+                        const u32 word = (t >> 1) ? v[i ^ 2] : v[i];
+                        u32 p[4];
+#pragma unroll
+                        for (int b = 0; b < 4; ++b) {
+                            const u32 e = (word >> (8 * b)) & 255u;
+                            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(p[b]) : "r"(table + e * 128 + lane4));
+                        }
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + swz(r, (t & 1) * 4 + q)),
+                                     "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3])
+                                     : "memory");
+                    }
+                }
+            }
+            if (D == 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
+            else asm volatile("cp.async.wait_group %0;" ::"n"(D) : "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes, then wgmma's reads
+            bar_arrive(bars + 8 * (step % STAGES));
+#pragma unroll
+            for (int j = 0; j < J; ++j) cur[j] = nxt[j];
+        }
+        return;
+    }
+
+    // consumers: warpgroup wg, features n0 + 64 wg ..
+    const int wg = warp >> 2;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int step = 0; step < STEPS; ++step) {
+        const int s = step % STAGES;
+        bar_wait(bars + 8 * s, (step / STAGES) & 1);
+        const u32 a = tiles + 2 * s * TILE_BYTES + wg * 64 * 128, b = tiles + (2 * s + 1) * TILE_BYTES;
+        if (WGMMA) {
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const u32 off = (j >> 2) * HALF_BYTES + (j & 3) * 32;  // k16 slice j: 32 bytes into its half
+                wgmma_ss(d, desc_sw128(a + off), desc_sw128(b + off), step > 0 || j > 0);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            if (step > 0) bar_arrive(bars + 8 * (STAGES + (step - 1) % STAGES));
+        } else {
+            bar_arrive(bars + 8 * (STAGES + s));
+        }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    const int f = n0 + wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int token = 8 * nt + 2 * t + (c & 1), feature = f + 8 * (c >> 1);
+            out[(size_t)token * N + feature] = d[4 * nt + c];
+        }
+}
+
+// out[m][n] = sum_k actT[k][m] * code(W[n][k]) in fp32, one block a feature, a thread a token.
+__global__ void reference_mm(const unsigned char* W, const __nv_bfloat16* actT, float* out) {
+    const int n = blockIdx.x, m = threadIdx.x;
+    float s = 0.0f;
+    for (int k = 0; k < K_ELEMS; k += 2) {
+        const unsigned byte = W[(size_t)n * ROWB + k / 2];
+        s += __bfloat162float(actT[(size_t)k * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte >> 4]));
+        s += __bfloat162float(actT[(size_t)(k + 1) * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte & 15]));
+    }
+    out[(size_t)m * N + n] = s;
+}
+
+__global__ void fill_act(__nv_bfloat16* act, __nv_bfloat16* actT) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)TOKENS * K_ELEMS; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t m = i / K_ELEMS, k = i % K_ELEMS;
+        const float x = (float)((int)((i * 2654435761u) >> 20) % 2001 - 1000) / 1000.0f;
+        act[i] = __float2bfloat16(x);
+        actT[k * TOKENS + m] = __float2bfloat16(x);
+    }
+}
+
+template <int PW, int STAGES, int WGMMA, int DECODE>
+void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* out, const float* ref) {
+    const int smem = 1024 + TABLE_BYTES + 2 * STAGES * TILE_BYTES + 16 * STAGES;
+    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int threads = 256 + 32 * PW;
+    if (ref) {  // the first copy of the weight (varied bytes) against the reference
+        cudaMemset(out, 0xff, (size_t)TOKENS * N * 4);
+        kern<<<N / FEATURES, threads, smem>>>(weights.copy[0], act, out);
+        cudaDeviceSynchronize();
+        float *h = new float[(size_t)TOKENS * N], *r = new float[(size_t)TOKENS * N];
+        cudaMemcpy(h, out, (size_t)TOKENS * N * 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(r, ref, (size_t)TOKENS * N * 4, cudaMemcpyDeviceToHost);
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < (size_t)TOKENS * N; ++i) {
+            scale = fmax(scale, fabs(r[i]));
+            worst = fmax(worst, h[i] == h[i] ? fabs((double)h[i] - r[i]) : 1e30);
+        }
+        printf("%s: max |probe - reference| / max |reference| = %.2e (%s)\n", label, worst / scale,
+               cudaGetErrorString(cudaGetLastError()));
+        delete[] h;
+        delete[] r;
+    }
+    const float us = time_reads(label, weights, [&] { kern<<<N / FEATURES, threads, smem>>>(weights.copy[weights.next], act, out); });
+    int sms = 0, clock_khz = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+    const double steps_per_sm = (double)(N / FEATURES) * STEPS / sms;
+    printf("%-36s %8.0f cycles a block-step at %d MHz (%d SMs; the tensor floor 1024, the predicted shared-memory bound 1750)\n",
+           "", us * 1e-6 * clock_khz * 1e3 / steps_per_sm, clock_khz / 1000, sms);
+}
+
+int main() {
+    Weights weights;
+    __nv_bfloat16 *act, *actT;
+    float *out, *ref;
+    cudaMalloc(&act, (size_t)TOKENS * K_ELEMS * 2);
+    cudaMalloc(&actT, (size_t)TOKENS * K_ELEMS * 2);
+    cudaMalloc(&out, (size_t)TOKENS * N * 4);
+    cudaMalloc(&ref, (size_t)TOKENS * N * 4);
+    fill_act<<<1024, 256>>>(act, actT);
+    reference_mm<<<N, TOKENS>>>(weights.copy[0], actT, ref);
+    cudaDeviceSynchronize();
+    printf("reference: %s\n", cudaGetErrorString(cudaGetLastError()));
+    run<4, 2, 1, 1>("pw4 st2", weights, act, out, ref);
+    run<8, 2, 1, 1>("pw8 st2", weights, act, out, ref);
+    run<4, 3, 1, 1>("pw4 st3", weights, act, out, ref);
+    run<8, 3, 1, 1>("pw8 st3", weights, act, out, ref);
+    run<8, 2, 0, 1>("pw8 st2 no wgmma", weights, act, out, nullptr);
+    run<8, 2, 1, 0>("pw8 st2 no decode", weights, act, out, nullptr);
+    return 0;
+}
