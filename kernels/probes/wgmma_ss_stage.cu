@@ -4,7 +4,9 @@
 // 4096 bytes), look each byte up in a 32 KB table of code pairs (32 copies: conflict-free), write the
 // decoded bf16 tile in wgmma's 128-byte-swizzled K-major layout, and stage 128 tokens' activations by
 // cp.async into the same layout; STAGES stages of both tiles on mbarriers (full: producers to consumers,
-// empty: back). The codes only (no scales): the shared-memory and tensor pipes' ceiling for this
+// empty: back). Scales are stand-ins (a formula, no loads): the variants with the wide kernel's
+// arithmetic (the fp32 code times the block's fp32 scale rounded once to bf16: a table of fp32 pairs)
+// and with the codes alone (bf16 pairs) give the shared-memory and tensor pipes' ceiling for this
 // traffic, not the kernel. kernels/NOTES.md ("The gate weight at 1-128 rows under ncu") predicts it
 // bound by the shared-memory pipe near 1,750 cycles a step. Checked against a plain reference first;
 // variants without the wgmmas (consumers release at once) and without the decode (producers write
@@ -60,9 +62,15 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
+// A stand-in block scale of feature n at 64-k block b (the real kernel forms it from the nested codes).
+__device__ __host__ __forceinline__ float probe_scale(int n, int b) { return 1.0f + ((n + b) & 7) * 0.125f; }
+
 // PW producer warps; STAGES stages; WGMMA 0: the consumers release each stage at once; DECODE 0: the
-// producers load the weights but write no tile. out: [TOKENS][N] fp32.
-template <int PW, int STAGES, int WGMMA, int DECODE>
+// producers load the weights but write no tile; SCALED 1: the wide kernel's arithmetic, each weight the
+// fp32 code times its block's fp32 scale rounded once to bf16 (a 32 KB table of fp32 pairs, 16 copies
+// 8 bytes apart, one 64-bit lookup a byte, 2 FMUL and a pack), SCALED 0 the codes alone (a 32-bit lookup
+// a byte of bf16 pairs). out: [TOKENS][N] fp32.
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0>
 __global__ void __launch_bounds__(256 + 32 * PW, 1)
     stage_probe(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ act, float* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char dyn[];
@@ -71,10 +79,16 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     const u32 bars = tiles + 2 * STAGES * TILE_BYTES;    // full[s] at 8s, empty[s] at 8 (STAGES + s)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * FEATURES;
-    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry e, copy (lane) c: word 32 e + c
-        const int e = i >> 5;
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * i), "r"(pack_bf16(c_nf4[e >> 4], c_nf4[e & 15])));
-    }
+    if (SCALED)
+        for (int i = threadIdx.x; i < 256 * 16; i += blockDim.x) {  // entry e, copy c: 8 bytes at 16 e + c
+            const int e = i >> 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(table + 8 * i), "f"(c_nf4[e >> 4]), "f"(c_nf4[e & 15]));
+        }
+    else
+        for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry e, copy (lane) c: word 32 e + c
+            const int e = i >> 5;
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * i), "r"(pack_bf16(c_nf4[e >> 4], c_nf4[e & 15])));
+        }
     if (threadIdx.x == 0)
         for (int s = 0; s < STAGES; ++s) {
             bar_init(bars + 8 * s, 32 * PW);
@@ -100,7 +114,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
 #pragma unroll
         for (int j = 0; j < J; ++j) cur[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB));
         for (int s = 0; s < D; ++s) load_b(s);
-        const u32 lane4 = 4 * lane;
+        const u32 lane4 = 4 * lane, lane16 = 8 * (lane & 15);
         for (int step = 0; step < STEPS; ++step) {
             const int ahead = step + D;
             if (ahead < STEPS) {
@@ -118,6 +132,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
 #pragma unroll
                 for (int j = 0; j < J; ++j) {
                     const u32 r = pw * RW + g + 8 * j;
+                    const float sc = probe_scale(n0 + r, 2 * step + (t >> 1));
                     const u32 v[4] = {cur[j].x, cur[j].y, cur[j].z, cur[j].w};
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
@@ -128,7 +143,13 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
 #pragma unroll
                         for (int b = 0; b < 4; ++b) {
                             const u32 e = (word >> (8 * b)) & 255u;
-                            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(p[b]) : "r"(table + e * 128 + lane4));
+                            if (SCALED) {
+                                float x, y;
+                                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(table + e * 128 + lane16));
+                                p[b] = pack_bf16(x * sc, y * sc);
+                            } else {
+                                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(p[b]) : "r"(table + e * 128 + lane4));
+                            }
                         }
                         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + swz(r, (t & 1) * 4 + q)),
                                      "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3])
@@ -182,14 +203,18 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
         }
 }
 
-// out[m][n] = sum_k actT[k][m] * code(W[n][k]) in fp32, one block a feature, a thread a token.
+// out[m][n] = sum_k actT[k][m] * w(n, k) in fp32, one block a feature, a thread a token; w the code
+// rounded to bf16, or (SCALED) the code times its block's scale rounded once to bf16.
+template <int SCALED>
 __global__ void reference_mm(const unsigned char* W, const __nv_bfloat16* actT, float* out) {
     const int n = blockIdx.x, m = threadIdx.x;
     float s = 0.0f;
     for (int k = 0; k < K_ELEMS; k += 2) {
         const unsigned byte = W[(size_t)n * ROWB + k / 2];
-        s += __bfloat162float(actT[(size_t)k * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte >> 4]));
-        s += __bfloat162float(actT[(size_t)(k + 1) * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte & 15]));
+        const float sc = SCALED ? probe_scale(n, k / 64) : 1.0f;
+        s += __bfloat162float(actT[(size_t)k * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte >> 4] * sc));
+        s += __bfloat162float(actT[(size_t)(k + 1) * TOKENS + m]) *
+             __bfloat162float(__float2bfloat16(c_nf4[byte & 15] * sc));
     }
     out[(size_t)m * N + n] = s;
 }
@@ -203,10 +228,10 @@ __global__ void fill_act(__nv_bfloat16* act, __nv_bfloat16* actT) {
     }
 }
 
-template <int PW, int STAGES, int WGMMA, int DECODE>
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0>
 void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* out, const float* ref) {
     const int smem = 1024 + TABLE_BYTES + 2 * STAGES * TILE_BYTES + 16 * STAGES;
-    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE>;
+    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE, SCALED>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int threads = 256 + 32 * PW;
     if (ref) {  // the first copy of the weight (varied bytes) against the reference
@@ -238,13 +263,15 @@ void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* o
 int main() {
     Weights weights;
     __nv_bfloat16 *act, *actT;
-    float *out, *ref;
+    float *out, *ref, *ref_scaled;
     cudaMalloc(&act, (size_t)TOKENS * K_ELEMS * 2);
     cudaMalloc(&actT, (size_t)TOKENS * K_ELEMS * 2);
     cudaMalloc(&out, (size_t)TOKENS * N * 4);
     cudaMalloc(&ref, (size_t)TOKENS * N * 4);
+    cudaMalloc(&ref_scaled, (size_t)TOKENS * N * 4);
     fill_act<<<1024, 256>>>(act, actT);
-    reference_mm<<<N, TOKENS>>>(weights.copy[0], actT, ref);
+    reference_mm<0><<<N, TOKENS>>>(weights.copy[0], actT, ref);
+    reference_mm<1><<<N, TOKENS>>>(weights.copy[0], actT, ref_scaled);
     cudaDeviceSynchronize();
     printf("reference: %s\n", cudaGetErrorString(cudaGetLastError()));
     run<4, 2, 1, 1>("pw4 st2", weights, act, out, ref);
@@ -253,5 +280,8 @@ int main() {
     run<8, 3, 1, 1>("pw8 st3", weights, act, out, ref);
     run<8, 2, 0, 1>("pw8 st2 no wgmma", weights, act, out, nullptr);
     run<8, 2, 1, 0>("pw8 st2 no decode", weights, act, out, nullptr);
+    run<8, 2, 1, 1, 1>("pw8 st2 scaled", weights, act, out, ref_scaled);
+    run<8, 3, 1, 1, 1>("pw8 st3 scaled", weights, act, out, ref_scaled);
+    run<4, 3, 1, 1, 1>("pw4 st3 scaled", weights, act, out, ref_scaled);
     return 0;
 }
