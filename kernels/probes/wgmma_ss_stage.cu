@@ -10,7 +10,8 @@
 // traffic, not the kernel. kernels/NOTES.md ("The gate weight at 1-128 rows under ncu") predicts it
 // bound by the shared-memory pipe near 1,750 cycles a step. Checked against a plain reference first;
 // variants without the wgmmas (consumers release at once) and without the decode (producers write
-// nothing) separate the pipes. Timing as in read_pattern.cu.
+// nothing) separate the pipes; two variants keep the product's no-swizzle layout (whose descriptors the
+// wide kernel already proves) in case the 128-byte swizzle's check fails. Timing as in read_pattern.cu.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
 #include <cuda_bf16.h>
 #include "probe.cuh"
@@ -19,8 +20,7 @@
 #define TOKENS 128
 #define FEATURES 128        // a block's rows of the weight
 #define STEPS (ROWB / 64)   // steps of 128 k (64 packed bytes a row)
-#define HALF_BYTES 16384    // one 64-k half of a tile: 128 rows of 128 bytes
-#define TILE_BYTES (2 * HALF_BYTES)
+#define CHUNKS 2048         // 16-byte chunks of a tile: 128 rows of 128 k
 #define TABLE_BYTES (256 * 32 * 4)
 
 __constant__ float c_nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -34,14 +34,33 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const u32*>(&v);
 }
 
-// Byte x of a 128-byte row r of a 128-byte-swizzled tile: its 16-byte piece XORed with r mod 8.
-__device__ __forceinline__ u32 swz(u32 r, u32 piece) { return r * 128 + ((piece ^ (r & 7)) << 4); }
-
-// wgmma's shared-memory descriptor of a K-major operand in the 128-byte swizzle: start, LBO 1 (unused
-// there), SBO 1024 bytes (8 rows), layout 1 (128B).
-__device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
-    return ((addr & 0x3ffffu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
+// A tile of 128 rows x 128 k (K-major) in one of two wgmma layouts: `at(r, x)`, the byte offset of row
+// r's 16-byte chunk x (k 8x .. 8x + 7), and `desc(tile, r0, j)`, the descriptor of rows r0 .. r0 + 63
+// (or all 128) for k16 slice j.
+template <int SWIZZLE>
+struct Layout;
+// The 128-byte swizzle: two 64-k halves of 128-byte rows, a row's 16-byte pieces XORed with r mod 8;
+// descriptor layout 1, SBO 1024 (8 rows), LBO unused (1); slice j 32 bytes into its half.
+template <>
+struct Layout<1> {
+    static constexpr u32 STRIDE = 32768;  // bytes a tile (1 KB aligned)
+    __device__ static u32 at(u32 r, u32 x) { return (x >> 3) * 16384 + r * 128 + (((x & 7) ^ (r & 7)) << 4); }
+    __device__ static unsigned long long desc(u32 tile, u32 r0, int j) {
+        const u32 addr = tile + (j >> 2) * 16384 + r0 * 128 + (j & 3) * 32;
+        return ((addr & 0x3ffffu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+    }
+};
+// No swizzle (the product's wide kernel's form): core matrices of 8 rows x 16 bytes, a slice's second
+// 8 k 128 bytes on (LBO), the next 8 rows 256 on (SBO), slices 4112 bytes apart (16 of padding).
+template <>
+struct Layout<0> {
+    static constexpr u32 SLICE = 4112, STRIDE = 33792;
+    __device__ static u32 at(u32 r, u32 x) { return (x >> 1) * SLICE + (x & 1) * 128 + (r >> 3) * 256 + (r & 7) * 16; }
+    __device__ static unsigned long long desc(u32 tile, u32 r0, int j) {
+        const u32 addr = tile + j * SLICE + (r0 >> 3) * 256;
+        return ((addr & 0x3ffffu) >> 4) | ((unsigned long long)(128 >> 4) << 16) | ((unsigned long long)(256 >> 4) << 32);
+    }
+};
 
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
     asm volatile(
@@ -70,13 +89,14 @@ __device__ __host__ __forceinline__ float probe_scale(int n, int b) { return 1.0
 // fp32 code times its block's fp32 scale rounded once to bf16 (a 32 KB table of fp32 pairs, 16 copies
 // 8 bytes apart, one 64-bit lookup a byte, 2 FMUL and a pack), SCALED 0 the codes alone (a 32-bit lookup
 // a byte of bf16 pairs). out: [TOKENS][N] fp32.
-template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0>
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1>
 __global__ void __launch_bounds__(256 + 32 * PW, 1)
     stage_probe(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ act, float* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char dyn[];
     const u32 dyn_s = (u32)__cvta_generic_to_shared(dyn), base = (dyn_s + 1023) & ~1023u;
-    const u32 table = base, tiles = base + TABLE_BYTES;  // stage s: A at tiles + 2s TILE_BYTES, B after it
-    const u32 bars = tiles + 2 * STAGES * TILE_BYTES;    // full[s] at 8s, empty[s] at 8 (STAGES + s)
+    using L = Layout<SWIZZLE>;
+    const u32 table = base, tiles = base + TABLE_BYTES;  // stage s: A at tiles + 2s STRIDE, B after it
+    const u32 bars = tiles + 2 * STAGES * L::STRIDE;     // full[s] at 8s, empty[s] at 8 (STAGES + s)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * FEATURES;
     if (SCALED)
@@ -98,15 +118,15 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     __syncthreads();
 
     if (warp >= 8) {  // producers
-        constexpr int RW = FEATURES / PW, J = RW / 8, CH = TILE_BYTES / 16 / (32 * PW), D = STAGES - 2;
+        constexpr int RW = FEATURES / PW, J = RW / 8, CH = CHUNKS / (32 * PW), D = STAGES - 2;
         const int pw = warp - 8, pt = threadIdx.x - 256;
         const unsigned char* rows = W + (size_t)(n0 + pw * RW + g) * ROWB + t * 16;
         auto load_b = [&](int step) {  // the activation tile of `step` into its stage, one cp.async group
-            const u32 b = tiles + (2 * (step % STAGES) + 1) * TILE_BYTES;
+            const u32 b = tiles + (2 * (step % STAGES) + 1) * L::STRIDE;
 #pragma unroll
             for (int i = 0; i < CH; ++i) {
                 const int idx = pt + 32 * PW * i, m = idx >> 4, x = idx & 15;
-                cp16(b + (x >> 3) * HALF_BYTES + swz(m, x & 7), act + (size_t)m * K_ELEMS + step * 128 + x * 8);
+                cp16(b + L::at(m, x), act + (size_t)m * K_ELEMS + step * 128 + x * 8);
             }
             asm volatile("cp.async.commit_group;" ::: "memory");
         };
@@ -128,7 +148,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
                 for (int j = 0; j < J; ++j)
                     nxt[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB + (step + 1) * 64));
             if (DECODE) {
-                const u32 a = tiles + 2 * (step % STAGES) * TILE_BYTES + (t >> 1) * HALF_BYTES;
+                const u32 a = tiles + 2 * (step % STAGES) * L::STRIDE;
 #pragma unroll
                 for (int j = 0; j < J; ++j) {
                     const u32 r = pw * RW + g + 8 * j;
@@ -151,7 +171,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
                                 asm volatile("ld.shared.u32 %0, [%1];" : "=r"(p[b]) : "r"(table + e * 128 + lane4));
                             }
                         }
-                        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + swz(r, (t & 1) * 4 + q)),
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + L::at(r, 4 * t + q)),
                                      "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3])
                                      : "memory");
                     }
@@ -175,13 +195,12 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     for (int step = 0; step < STEPS; ++step) {
         const int s = step % STAGES;
         bar_wait(bars + 8 * s, (step / STAGES) & 1);
-        const u32 a = tiles + 2 * s * TILE_BYTES + wg * 64 * 128, b = tiles + (2 * s + 1) * TILE_BYTES;
+        const u32 a = tiles + 2 * s * L::STRIDE, b = tiles + (2 * s + 1) * L::STRIDE;
         if (WGMMA) {
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const u32 off = (j >> 2) * HALF_BYTES + (j & 3) * 32;  // k16 slice j: 32 bytes into its half
-                wgmma_ss(d, desc_sw128(a + off), desc_sw128(b + off), step > 0 || j > 0);
+                wgmma_ss(d, L::desc(a, 64 * wg, j), L::desc(b, 0, j), step > 0 || j > 0);
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
@@ -228,10 +247,10 @@ __global__ void fill_act(__nv_bfloat16* act, __nv_bfloat16* actT) {
     }
 }
 
-template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0>
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1>
 void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* out, const float* ref) {
-    const int smem = 1024 + TABLE_BYTES + 2 * STAGES * TILE_BYTES + 16 * STAGES;
-    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE, SCALED>;
+    const int smem = 1024 + TABLE_BYTES + 2 * STAGES * Layout<SWIZZLE>::STRIDE + 16 * STAGES;
+    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE, SCALED, SWIZZLE>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int threads = 256 + 32 * PW;
     if (ref) {  // the first copy of the weight (varied bytes) against the reference
@@ -283,5 +302,8 @@ int main() {
     run<8, 2, 1, 1, 1>("pw8 st2 scaled", weights, act, out, ref_scaled);
     run<8, 3, 1, 1, 1>("pw8 st3 scaled", weights, act, out, ref_scaled);
     run<4, 3, 1, 1, 1>("pw4 st3 scaled", weights, act, out, ref_scaled);
+    // the product's no-swizzle layout (its descriptors are proven there), two stages: what fits
+    run<8, 2, 1, 1, 0, 0>("pw8 st2 no swizzle", weights, act, out, ref);
+    run<8, 2, 1, 1, 1, 0>("pw8 st2 scaled no swizzle", weights, act, out, ref_scaled);
     return 0;
 }
