@@ -134,6 +134,9 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
 #pragma unroll
         for (int j = 0; j < J; ++j) cur[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB));
         for (int s = 0; s < D; ++s) load_b(s);
+        // the decode's shared loads and stores as plain C++ (the compiler may hoist and overlap them, as in
+        // the product's kernels); byte offsets from the dynamic block's start
+        const unsigned char* tab = dyn + (table - dyn_s);
         const u32 lane4 = 4 * lane, lane16 = 8 * (lane & 15);
         for (int step = 0; step < STEPS; ++step) {
             const int ahead = step + D;
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
                 for (int j = 0; j < J; ++j)
                     nxt[j] = __ldcs(reinterpret_cast<const uint4*>(rows + (size_t)8 * j * ROWB + (step + 1) * 64));
             if (DECODE) {
-                const u32 a = tiles + 2 * (step % STAGES) * L::STRIDE;
+                unsigned char* a = dyn + (tiles - dyn_s) + 2 * (step % STAGES) * L::STRIDE;
 #pragma unroll
                 for (int j = 0; j < J; ++j) {
                     const u32 r = pw * RW + g + 8 * j;
@@ -164,16 +167,13 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
                         for (int b = 0; b < 4; ++b) {
                             const u32 e = (word >> (8 * b)) & 255u;
                             if (SCALED) {
-                                float x, y;
-                                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(table + e * 128 + lane16));
-                                p[b] = pack_bf16(x * sc, y * sc);
+                                const float2 xy = *reinterpret_cast<const float2*>(tab + e * 128 + lane16);
+                                p[b] = pack_bf16(xy.x * sc, xy.y * sc);
                             } else {
-                                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(p[b]) : "r"(table + e * 128 + lane4));
+                                p[b] = *reinterpret_cast<const u32*>(tab + e * 128 + lane4);
                             }
                         }
-                        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + L::at(r, 4 * t + q)),
-                                     "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3])
-                                     : "memory");
+                        *reinterpret_cast<uint4*>(a + L::at(r, 4 * t + q)) = make_uint4(p[0], p[1], p[2], p[3]);
                     }
                 }
             }
