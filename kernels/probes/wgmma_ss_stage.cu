@@ -159,9 +159,10 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
                     const u32 v[4] = {cur[j].x, cur[j].y, cur[j].z, cur[j].w};
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        // lanes t and t + 2 write different pieces: word i or i ^ 2 (conflict-free quarter warps)
-                        const int q = i ^ ((t >> 1) << 1);
-                        const u32 word = (t >> 1) ? v[i ^ 2] : v[i];
+                        // in the swizzled layout lanes t and t + 2 write word i or i ^ 2, so a quarter warp's
+                        // 16-byte pieces fall in 8 bank groups (the unswizzled one's slices do that already)
+                        const int q = SWIZZLE ? i ^ ((t >> 1) << 1) : i;
+                        const u32 word = SWIZZLE && (t >> 1) ? v[i ^ 2] : v[i];
                         u32 p[4];
 #pragma unroll
                         for (int b = 0; b < 4; ++b) {
