@@ -8,8 +8,8 @@
 // arithmetic (the fp32 code times the block's fp32 scale rounded once to bf16: a table of fp32 pairs)
 // and with the codes alone (bf16 pairs) give the shared-memory and tensor pipes' ceiling for this
 // traffic, not the kernel. kernels/NOTES.md ("The gate weight at 1-128 rows under ncu") predicts it
-// bound by the shared-memory pipe near 1,750 cycles a step. Checked against a plain reference first;
-// variants without the wgmmas (consumers release at once) and without the decode (producers write
+// bound by the shared-memory pipe near 1,792 cycles a step (each variant prints its bound); two variants
+// run 64 tokens. Checked against a plain reference first; variants without the wgmmas (consumers release at once) and without the decode (producers write
 // nothing) separate the pipes; two variants keep the product's no-swizzle layout (whose descriptors the
 // wide kernel already proves) in case the 128-byte swizzle's check fails. Timing as in read_pattern.cu.
 // Build and run on a GPU: nvcc -O3 -arch=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
@@ -17,10 +17,9 @@
 #include "probe.cuh"
 
 #define K_ELEMS (2 * ROWB)  // 8192 k
-#define TOKENS 128
+#define TOKENS 128          // the activations' rows (a probe of T <= TOKENS tokens reads the first T)
 #define FEATURES 128        // a block's rows of the weight
 #define STEPS (ROWB / 64)   // steps of 128 k (64 packed bytes a row)
-#define CHUNKS 2048         // 16-byte chunks of a tile: 128 rows of 128 k
 #define TABLE_BYTES (256 * 32 * 4)
 
 __constant__ float c_nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -62,7 +61,20 @@ struct Layout<0> {
     }
 };
 
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+// d (64 features x N tokens, fp32: N / 2 a thread) += A (desc) * B (desc), both K-major in shared memory.
+template <int N_TOKENS>
+__device__ void wgmma_ss(float* d, unsigned long long a, unsigned long long b, int accumulate);
+template <>
+__device__ __forceinline__ void wgmma_ss<64>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<128>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -89,7 +101,7 @@ __device__ __host__ __forceinline__ float probe_scale(int n, int b) { return 1.0
 // fp32 code times its block's fp32 scale rounded once to bf16 (a 32 KB table of fp32 pairs, 16 copies
 // 8 bytes apart, one 64-bit lookup a byte, 2 FMUL and a pack), SCALED 0 the codes alone (a 32-bit lookup
 // a byte of bf16 pairs). out: [TOKENS][N] fp32.
-template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1>
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1, int T = 128>
 __global__ void __launch_bounds__(256 + 32 * PW, 1)
     stage_probe(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ act, float* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char dyn[];
@@ -118,7 +130,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     __syncthreads();
 
     if (warp >= 8) {  // producers
-        constexpr int RW = FEATURES / PW, J = RW / 8, CH = CHUNKS / (32 * PW), D = STAGES - 2;
+        constexpr int RW = FEATURES / PW, J = RW / 8, CH = T * 16 / (32 * PW), D = STAGES - 2;
         const int pw = warp - 8, pt = threadIdx.x - 256;
         const unsigned char* rows = W + (size_t)(n0 + pw * RW + g) * ROWB + t * 16;
         auto load_b = [&](int step) {  // the activation tile of `step` into its stage, one cp.async group
@@ -190,9 +202,9 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
 
     // consumers: warpgroup wg, features n0 + 64 wg ..
     const int wg = warp >> 2;
-    float d[64];
+    float d[T / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int i = 0; i < T / 2; ++i) d[i] = 0.0f;
     for (int step = 0; step < STEPS; ++step) {
         const int s = step % STAGES;
         bar_wait(bars + 8 * s, (step / STAGES) & 1);
@@ -201,7 +213,7 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                wgmma_ss(d, L::desc(a, 64 * wg, j), L::desc(b, 0, j), step > 0 || j > 0);
+                wgmma_ss<T>(d, L::desc(a, 64 * wg, j), L::desc(b, 0, j), step > 0 || j > 0);
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
@@ -212,10 +224,10 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < T / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
     const int f = n0 + wg * 64 + (warp & 3) * 16 + g;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
+    for (int nt = 0; nt < T / 8; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int token = 8 * nt + 2 * t + (c & 1), feature = f + 8 * (c >> 1);
@@ -248,21 +260,21 @@ __global__ void fill_act(__nv_bfloat16* act, __nv_bfloat16* actT) {
     }
 }
 
-template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1>
+template <int PW, int STAGES, int WGMMA, int DECODE, int SCALED = 0, int SWIZZLE = 1, int T = 128>
 void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* out, const float* ref) {
     const int smem = 1024 + TABLE_BYTES + 2 * STAGES * Layout<SWIZZLE>::STRIDE + 16 * STAGES;
-    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE, SCALED, SWIZZLE>;
+    auto kern = stage_probe<PW, STAGES, WGMMA, DECODE, SCALED, SWIZZLE, T>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int threads = 256 + 32 * PW;
     if (ref) {  // the first copy of the weight (varied bytes) against the reference
-        cudaMemset(out, 0xff, (size_t)TOKENS * N * 4);
+        cudaMemset(out, 0xff, (size_t)T * N * 4);
         kern<<<N / FEATURES, threads, smem>>>(weights.copy[0], act, out);
         cudaDeviceSynchronize();
         float *h = new float[(size_t)TOKENS * N], *r = new float[(size_t)TOKENS * N];
         cudaMemcpy(h, out, (size_t)TOKENS * N * 4, cudaMemcpyDeviceToHost);
         cudaMemcpy(r, ref, (size_t)TOKENS * N * 4, cudaMemcpyDeviceToHost);
         double worst = 0, scale = 0;
-        for (size_t i = 0; i < (size_t)TOKENS * N; ++i) {
+        for (size_t i = 0; i < (size_t)T * N; ++i) {  // the first T token rows: [T][N] of both
             scale = fmax(scale, fabs(r[i]));
             worst = fmax(worst, h[i] == h[i] ? fabs((double)h[i] - r[i]) : 1e30);
         }
@@ -276,8 +288,12 @@ void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* o
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
     const double steps_per_sm = (double)(N / FEATURES) * STEPS / sms;
-    printf("%-36s %8.0f cycles a block-step at %d MHz (%d SMs; the tensor floor 1024, the predicted shared-memory bound 1750)\n",
-           "", us * 1e-6 * clock_khz * 1e3 / steps_per_sm, clock_khz / 1000, sms);
+    // a block-step's shared-memory bytes at 128 a cycle: the decoded tile written (32 KB) and read by both
+    // warpgroups (32), the activations written (T / 4 KB) and read by both (T / 2), the lookups' wavefronts
+    // (64-bit: 64 KB; 32-bit: 32)
+    const int bound = (32 + 32 + T / 4 + T / 2 + (SCALED ? 64 : 32)) * 1024 / 128;
+    printf("%-36s %8.0f cycles a block-step at %d MHz (%d SMs; the tensor floor %d, the shared-memory bound %d)\n", "",
+           us * 1e-6 * clock_khz * 1e3 / steps_per_sm, clock_khz / 1000, sms, 8 * T, bound);
 }
 
 int main() {
@@ -306,5 +322,8 @@ int main() {
     // the product's no-swizzle layout (its descriptors are proven there), two stages: what fits
     run<8, 2, 1, 1, 0, 0>("pw8 st2 no swizzle", weights, act, out, ref);
     run<8, 2, 1, 1, 1, 0>("pw8 st2 scaled no swizzle", weights, act, out, ref_scaled);
+    // 64 tokens (33-64 rows): the same block, half the tensor work a step
+    run<8, 2, 1, 1, 1, 1, 64>("t64 pw8 st2 scaled", weights, act, out, ref_scaled);
+    run<8, 3, 1, 1, 1, 1, 64>("t64 pw8 st3 scaled", weights, act, out, ref_scaled);
     return 0;
 }
