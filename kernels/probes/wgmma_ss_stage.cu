@@ -1,18 +1,19 @@
 // Probe, not part of the harness: issue 38's 128-token design with the decode off the tensor cores'
-// path. A block of 128 features runs two consumer warpgroups (wgmma m64n128k16, both operands from
-// shared memory) and PW producer warps, which stream the packed weights (the gate weight's 28672 rows of
-// 4096 bytes), look each byte up in a 32 KB table of code pairs (32 copies: conflict-free), write the
-// decoded bf16 tile in wgmma's 128-byte-swizzled K-major layout, and stage 128 tokens' activations by
-// cp.async into the same layout; STAGES stages of both tiles on mbarriers (full: producers to consumers,
-// empty: back). Scales are stand-ins (a formula, no loads): the variants with the wide kernel's
-// arithmetic (the fp32 code times the block's fp32 scale rounded once to bf16: a table of fp32 pairs)
-// and with the codes alone (bf16 pairs) give the shared-memory and tensor pipes' ceiling for this
-// traffic, not the kernel. kernels/NOTES.md ("The gate weight at 1-128 rows under ncu") predicts it
-// bound by the shared-memory pipe near 1,792 cycles a step (each variant prints its bound); two variants
-// run 64 tokens. Checked against a plain reference first; variants without the wgmmas (consumers release at once) and without the decode (producers write
-// nothing) separate the pipes; two variants keep the product's no-swizzle layout (whose descriptors the
-// wide kernel already proves) in case the 128-byte swizzle's check fails. Timing as in read_pattern.cu.
-// Build and run on a GPU: nvcc -O3 -arch=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
+// path. A block of 128 features runs two consumer warpgroups (wgmma m64nTk16, both operands from
+// shared memory) and PW producer warps, which stream the packed weights (the gate weight's 28672 rows
+// of 4096 bytes), look each byte up in a 32 KB table of code pairs (conflict-free copies), write the
+// decoded bf16 tile in wgmma's K-major layout (128-byte swizzle, or the wide kernel's unswizzled core
+// matrices), and stage T tokens' activations by cp.async into the same layout; STAGES stages of both
+// tiles on mbarriers (full: producers to consumers, empty: back). Scales are stand-ins (a formula, no
+// loads): the variants with the wide kernel's arithmetic (the fp32 code times the block's fp32 scale
+// rounded once to bf16: a table of fp32 pairs) and with the codes alone (bf16 pairs) give the
+// shared-memory and tensor pipes' ceiling for this traffic, not the kernel. kernels/NOTES.md ("The gate
+// weight at 1-128 rows under ncu") predicts it bound by the shared-memory pipe near 1,792 cycles a step
+// at 128 tokens (each variant prints its own bound). Every variant that computes is checked against a
+// plain reference first; variants without the wgmmas (consumers release at once) and without the
+// decode (producers write nothing) separate the pipes. Timing as in read_pattern.cu.
+// Build and run on a GPU:
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
 #include <cuda_bf16.h>
 #include "probe.cuh"
 
