@@ -58,7 +58,8 @@ struct Layout<0> {
     __device__ static u32 at(u32 r, u32 x) { return (x >> 1) * SLICE + (x & 1) * 128 + (r >> 3) * 256 + (r & 7) * 16; }
     __device__ static unsigned long long desc(u32 tile, u32 r0, int j) {
         const u32 addr = tile + j * SLICE + (r0 >> 3) * 256;
-        return ((addr & 0x3ffffu) >> 4) | ((unsigned long long)(128 >> 4) << 16) | ((unsigned long long)(256 >> 4) << 32);
+        return ((addr & 0x3ffffu) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+               ((unsigned long long)(256 >> 4) << 32);
     }
 };
 
@@ -115,7 +116,8 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     if (SCALED)
         for (int i = threadIdx.x; i < 256 * 16; i += blockDim.x) {  // entry e, copy c: 8 bytes at 16 e + c
             const int e = i >> 4;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(table + 8 * i), "f"(c_nf4[e >> 4]), "f"(c_nf4[e & 15]));
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(table + 8 * i), "f"(c_nf4[e >> 4]),
+                         "f"(c_nf4[e & 15]));
         }
     else
         for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry e, copy (lane) c: word 32 e + c
@@ -253,7 +255,8 @@ __global__ void reference_mm(const unsigned char* W, const __nv_bfloat16* actT, 
 }
 
 __global__ void fill_act(__nv_bfloat16* act, __nv_bfloat16* actT) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)TOKENS * K_ELEMS; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t n = (size_t)TOKENS * K_ELEMS;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t m = i / K_ELEMS, k = i % K_ELEMS;
         const float x = (float)((int)((i * 2654435761u) >> 20) % 2001 - 1000) / 1000.0f;
         act[i] = __float2bfloat16(x);
@@ -284,7 +287,9 @@ void run(const char* label, Weights& weights, const __nv_bfloat16* act, float* o
         delete[] h;
         delete[] r;
     }
-    const float us = time_reads(label, weights, [&] { kern<<<N / FEATURES, threads, smem>>>(weights.copy[weights.next], act, out); });
+    const float us = time_reads(label, weights, [&] {
+        kern<<<N / FEATURES, threads, smem>>>(weights.copy[weights.next], act, out);
+    });
     int sms = 0, clock_khz = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
