@@ -345,7 +345,7 @@ def record_cases(machine: dict, swept: Iterable[dict], out: Path) -> dict:
     partial, recorded = out / PARTIAL, {"machine": machine, "cases": []}
     for case in swept:
         recorded["cases"].append(case)
-        jit.atomic_write(partial, (json.dumps(recorded, indent=1, default=str) + "\n").encode())
+        write_record(partial, recorded)
     partial.unlink(missing_ok=True)
     return recorded
 
@@ -381,7 +381,8 @@ def _case_name(case: dict) -> str:
 
 
 def write_record(path: Path, record: dict) -> None:
-    """A committed record, as the repository keeps it (one-space indent, characters as written)."""
+    """A record as the repository keeps it (one-space indent, characters as written), whole or not at
+    all: a sweep's partial record, its report's record, a committed record a sweep merged into."""
     jit.atomic_write(path, (json.dumps(record, indent=1, default=str, ensure_ascii=False) + "\n").encode())
 
 
@@ -392,7 +393,7 @@ def report(recorded: dict, tolerance: float, geomean_tolerance: float, out: Path
     rows = [case_row(case, tolerance) for case in recorded["cases"]]
     result = recorded | {"summary": summary(rows, tolerance), "verdicts": rows}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grid-sweep.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_record(out / "grid-sweep.json", result)
     text = tabulate(rows, headers="keys", floatfmt=".4g", tablefmt="github")
     text += "\n\n" + tabulate([result["summary"]], headers="keys", floatfmt=".4g", tablefmt="github")
     text += "\n\n" + tabulate(cost_lines(recorded["cases"]), headers="keys", floatfmt=".3g", tablefmt="github")
