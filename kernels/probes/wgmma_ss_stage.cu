@@ -16,6 +16,8 @@
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -o wgmma_ss_stage wgmma_ss_stage.cu && ./wgmma_ss_stage
 #include <cuda_bf16.h>
 #include "probe.cuh"
+#define FMT_QUANT 0  // nf4
+#include "../format_4bit.cuh"
 
 #define K_ELEMS (2 * ROWB)  // 8192 k
 #define TOKENS 128          // the activations' rows (a probe of T <= TOKENS tokens reads the first T)
@@ -23,11 +25,9 @@
 #define STEPS (ROWB / 64)   // steps of 128 k (64 packed bytes a row)
 #define TABLE_BYTES (256 * 32 * 4)
 
-__constant__ float c_nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-                                -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-                                0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
-                                0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
-                                0.7229568362236023f, 1.0f};
+// The NF4 codes as the product's kernels hold them: the bit patterns of kernels/format_4bit.cuh.
+__constant__ unsigned c_nf4_bits[16] = {CODE_0_3, CODE_4_7, CODE_8_11, CODE_12_15};
+__device__ __forceinline__ float nf4(unsigned i) { return __uint_as_float(c_nf4_bits[i]); }
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half): the lower k
@@ -116,13 +116,13 @@ __global__ void __launch_bounds__(256 + 32 * PW, 1)
     if (SCALED)
         for (int i = threadIdx.x; i < 256 * 16; i += blockDim.x) {  // entry e, copy c: 8 bytes at 16 e + c
             const int e = i >> 4;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(table + 8 * i), "f"(c_nf4[e >> 4]),
-                         "f"(c_nf4[e & 15]));
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(table + 8 * i), "f"(nf4(e >> 4)),
+                         "f"(nf4(e & 15)));
         }
     else
         for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {  // entry e, copy (lane) c: word 32 e + c
             const int e = i >> 5;
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * i), "r"(pack_bf16(c_nf4[e >> 4], c_nf4[e & 15])));
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(table + 4 * i), "r"(pack_bf16(nf4(e >> 4), nf4(e & 15))));
         }
     if (threadIdx.x == 0)
         for (int s = 0; s < STAGES; ++s) {
@@ -247,9 +247,9 @@ __global__ void reference_mm(const unsigned char* W, const __nv_bfloat16* actT, 
     for (int k = 0; k < K_ELEMS; k += 2) {
         const unsigned byte = W[(size_t)n * ROWB + k / 2];
         const float sc = SCALED ? probe_scale(n, k / 64) : 1.0f;
-        s += __bfloat162float(actT[(size_t)k * TOKENS + m]) * __bfloat162float(__float2bfloat16(c_nf4[byte >> 4] * sc));
+        s += __bfloat162float(actT[(size_t)k * TOKENS + m]) * __bfloat162float(__float2bfloat16(nf4(byte >> 4) * sc));
         s += __bfloat162float(actT[(size_t)(k + 1) * TOKENS + m]) *
-             __bfloat162float(__float2bfloat16(c_nf4[byte & 15] * sc));
+             __bfloat162float(__float2bfloat16(nf4(byte & 15) * sc));
     }
     out[(size_t)m * N + n] = s;
 }
